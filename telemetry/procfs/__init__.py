@@ -1,0 +1,1 @@
+"""Pure parsers for /proc files, shared by the hook and the daemon."""

@@ -1,0 +1,1 @@
+"""Helpers shared by tests: real servers, tiny models, free ports."""
