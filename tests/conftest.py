@@ -25,3 +25,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A random-weight 2-layer, hidden-128 Llama with a WordLevel tokenizer, made once per session."""
+    from tests.support.vllm import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

