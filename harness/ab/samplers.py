@@ -1,0 +1,173 @@
+"""Telemetry samplers: scrape nodes (the memtel daemon), ranks (the hook exporter) and the server.
+
+`parse_metrics` is pure (text -> samples, with prometheus_client's text parser); the snapshot
+functions pick the fixed metric names of docs/architecture.md out of it. A series that is not
+exported is absent from the snapshot (None), never 0. A scrape that fails gives {"error": ...}.
+
+`NodeSampler` scrapes every node once per `interval_s` in a background thread while a request runs,
+to catch the lowest MemAvailable and any swap during a prefill that lasts minutes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+NODE_GAUGES = {
+    "mem_available_bytes": "memtel_node_mem_available_bytes",
+    "mem_total_bytes": "memtel_node_mem_total_bytes",
+    "swap_used_bytes": "memtel_node_swap_used_bytes",
+}
+NODE_COUNTERS = {
+    "pswpin_total": "memtel_node_vmstat_pswpin_total",
+    "pswpout_total": "memtel_node_vmstat_pswpout_total",
+    "nv_err_no_memory_total": "memtel_kernel_nv_err_no_memory_total",
+    "xid_total": "memtel_kernel_xid_total",
+}
+# Process-wide allocator values (every site reports the same allocator): take the largest.
+RANK_PROCESS_WIDE = {
+    "reserved_bytes": "memtel_allocator_reserved_bytes",
+    "allocated_bytes": "memtel_allocator_allocated_bytes",
+    "device_alloc_total": "memtel_allocator_device_alloc_total",
+    "device_free_total": "memtel_allocator_device_free_total",
+    "alloc_retries_total": "memtel_allocator_alloc_retries_total",
+    "ooms_total": "memtel_allocator_ooms_total",
+    "host_mem_available_bytes": "memtel_hook_host_mem_available_bytes",
+}
+# Per-site counters: add them up.
+RANK_PER_SITE = {
+    "hook_calls_total": "memtel_hook_calls_total",
+    "growth_events_total": "memtel_hook_growth_events_total",
+    "hook_errors_total": "memtel_hook_errors_total",
+}
+SERVER_TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+SERVER_TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+
+
+def parse_metrics(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return samples
+
+
+def _sum(samples: Samples, name: str) -> float | None:
+    values = samples.get(name)
+    return sum(v for _, v in values) if values else None
+
+
+def _max(samples: Samples, name: str) -> float | None:
+    values = samples.get(name)
+    return max(v for _, v in values) if values else None
+
+
+def node_snapshot(samples: Samples) -> dict:
+    snap: dict = {key: _sum(samples, name) for key, name in NODE_GAUGES.items()}
+    snap.update({key: _sum(samples, name) for key, name in NODE_COUNTERS.items()})
+    xids = samples.get("memtel_kernel_xid_total") or []
+    snap["xid_by_code"] = {labels.get("xid", "?"): value for labels, value in xids}
+    return snap
+
+
+def rank_snapshot(samples: Samples) -> dict:
+    snap: dict = {key: _max(samples, name) for key, name in RANK_PROCESS_WIDE.items()}
+    snap.update({key: _sum(samples, name) for key, name in RANK_PER_SITE.items()})
+    return snap
+
+
+def server_snapshot(samples: Samples) -> dict:
+    return {"ttft_sum_s": _sum(samples, SERVER_TTFT_SUM), "ttft_count": _sum(samples, SERVER_TTFT_COUNT)}
+
+
+class Scraper:
+    def __init__(self, timeout_s: float = 5.0) -> None:
+        self.client = httpx.Client(timeout=timeout_s)
+
+    def fetch(self, url: str) -> Samples:
+        response = self.client.get(url)
+        response.raise_for_status()
+        return parse_metrics(response.text)
+
+    def _one(self, url: str, snapshot: Callable[[Samples], dict]) -> dict:
+        try:
+            snap = snapshot(self.fetch(url))
+        except Exception as exc:  # a bad endpoint is recorded, never stops the ladder
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        snap["ts"] = time.time()
+        return snap
+
+    def node(self, url: str) -> dict:
+        return self._one(url, node_snapshot)
+
+    def rank(self, url: str) -> dict:
+        return self._one(url, rank_snapshot)
+
+    def server(self, base_url: str) -> dict:
+        return self._one(base_url + "/metrics", server_snapshot)
+
+    def all(self, nodes: dict, ranks: dict, server_url: str | None) -> dict:
+        return {
+            "nodes": {name: self.node(url) for name, url in nodes.items()},
+            "ranks": {name: self.rank(url) for name, url in ranks.items()},
+            "server": self.server(server_url) if server_url else None,
+        }
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class NodeSampler:
+    """Scrapes every node each interval in a thread; keeps the minimum MemAvailable and maximum swap."""
+
+    def __init__(self, nodes: dict, interval_s: float, on_sample: Callable[[str, dict], None] | None = None) -> None:
+        self.nodes = dict(nodes)
+        self.interval_s = interval_s
+        self.on_sample = on_sample
+        self.min_mem_available: dict[str, float] = {}
+        self.max_swap_used: dict[str, float] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "NodeSampler":
+        if self.nodes:
+            self._thread = threading.Thread(target=self._loop, name="memtel-node-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        scraper = Scraper(timeout_s=min(5.0, max(0.5, self.interval_s)))
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                for name, url in self.nodes.items():
+                    snap = scraper.node(url)
+                    self._note(name, snap)
+                    if self.on_sample is not None:
+                        try:
+                            self.on_sample(name, snap)
+                        except Exception:  # the sampler must not die with a full disk or such
+                            pass
+                self.samples += 1
+                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+        finally:
+            scraper.close()
+
+    def _note(self, name: str, snap: dict) -> None:
+        available, swap = snap.get("mem_available_bytes"), snap.get("swap_used_bytes")
+        if available is not None:
+            self.min_mem_available[name] = min(self.min_mem_available.get(name, available), available)
+        if swap is not None:
+            self.max_swap_used[name] = max(self.max_swap_used.get(name, swap), swap)

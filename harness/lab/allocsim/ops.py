@@ -1,0 +1,142 @@
+"""Op files: the allocator truth format, replayed on the simulator.
+
+    {"config": "<PYTORCH_CUDA_ALLOC_CONF>",
+     "cases": {"<name>": {"ops": [["malloc", id, size_bytes], ["free", id], ["empty_cache"], ...],
+                          "after": [[reserved, allocated, num_device_alloc, num_device_free], ...]}}}
+
+Each case runs on a fresh simulator (the truth starts every case after `empty_cache()` with
+nothing live, and its rows are relative to the values before the case's first op). `after` is
+optional here; it is the truth the simulator is compared with.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .config import AllocatorConfigError, parse_alloc_conf
+from .simulator import CachingAllocatorSim, SimulatedOutOfMemoryError
+
+OP_NAMES = ("malloc", "free", "empty_cache")
+Row = list[int]
+
+
+class OpFileError(ValueError):
+    """An op file that cannot be replayed; the message names the case, the op index and the problem."""
+
+
+def _where(case: str, index: int | None = None) -> str:
+    return f"case {case!r}" + ("" if index is None else f", op {index}")
+
+
+def _check_op(case: str, index: int, op: Any) -> tuple[str, int, int]:
+    if not isinstance(op, list) or not op or not isinstance(op[0], str):
+        raise OpFileError(f"{_where(case, index)}: expected a list like [\"malloc\", id, size], got {op!r}")
+    name = op[0]
+    if name == "malloc":
+        if len(op) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in op[1:]):
+            raise OpFileError(f"{_where(case, index)}: malloc needs [\"malloc\", id, size_bytes] with integers, got {op!r}")
+        if op[2] < 0:
+            raise OpFileError(f"{_where(case, index)}: malloc size must be >= 0, got {op[2]}")
+        return name, op[1], op[2]
+    if name == "free":
+        if len(op) != 2 or not isinstance(op[1], int) or isinstance(op[1], bool):
+            raise OpFileError(f"{_where(case, index)}: free needs [\"free\", id] with an integer id, got {op!r}")
+        return name, op[1], 0
+    if name == "empty_cache":
+        if len(op) != 1:
+            raise OpFileError(f"{_where(case, index)}: empty_cache takes no arguments, got {op!r}")
+        return name, 0, 0
+    raise OpFileError(f"{_where(case, index)}: unknown op {name!r} (expected one of {', '.join(OP_NAMES)})")
+
+
+def replay_ops(
+    ops: list[Any], config: str = "", *, capacity_bytes: int | None = None, case: str = "ops"
+) -> list[Row]:
+    """Run `ops` on a fresh simulator; one `[reserved, allocated, device_alloc, device_free]` row per op."""
+    if not isinstance(ops, list):
+        raise OpFileError(f"{_where(case)}: 'ops' must be a list, got {type(ops).__name__}")
+    try:
+        sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes)
+    except AllocatorConfigError as exc:
+        raise OpFileError(f"{_where(case)}: {exc}") from None
+    live: dict[int, int] = {}
+    failed: set[int] = set()  # ids whose malloc ran out of memory: their free is a no-op, as in torch
+    rows: list[Row] = []
+    append = rows.append
+    for index, op in enumerate(ops):
+        name, ident, size = _check_op(case, index, op)
+        if name == "malloc":
+            if ident in live:
+                raise OpFileError(f"{_where(case, index)}: malloc of id {ident}, which is still live (not freed)")
+            failed.discard(ident)
+            try:
+                live[ident] = sim.malloc(size)
+            except SimulatedOutOfMemoryError:
+                failed.add(ident)  # torch raised OutOfMemoryError: the row is recorded, the id is not live
+        elif name == "free":
+            handle = live.pop(ident, None)
+            if handle is None and ident in failed:
+                failed.discard(ident)
+            elif handle is None:
+                raise OpFileError(f"{_where(case, index)}: free of unknown id {ident} (never allocated or already freed)")
+            else:
+                sim.free(handle)
+        else:
+            sim.empty_cache()
+        append([sim.reserved_bytes, sim.allocated_bytes, sim.num_device_alloc, sim.num_device_free])
+    return rows
+
+
+def validate_document(data: Any, source: str = "op file") -> tuple[str, dict[str, list[Any]]]:
+    """Check the document's shape; returns (config string, {case name: ops})."""
+    if not isinstance(data, Mapping):
+        raise OpFileError(f"{source}: expected a JSON object with 'config' and 'cases'")
+    config = data.get("config", "")
+    if config is None:
+        config = ""
+    if not isinstance(config, str):
+        raise OpFileError(f"{source}: 'config' must be a PYTORCH_CUDA_ALLOC_CONF string, got {config!r}")
+    cases = data.get("cases")
+    if not isinstance(cases, Mapping) or not cases:
+        raise OpFileError(f"{source}: 'cases' must be a non-empty object of name -> {{\"ops\": [...]}}")
+    out: dict[str, list[Any]] = {}
+    for name, case in cases.items():
+        if not isinstance(case, Mapping) or "ops" not in case:
+            raise OpFileError(f"{source}: case {name!r} must be an object with an 'ops' list")
+        out[str(name)] = case["ops"]
+    try:
+        parse_alloc_conf(config)
+    except AllocatorConfigError as exc:
+        raise OpFileError(f"{source}: {exc}") from None
+    return config, out
+
+
+def load_op_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise OpFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise OpFileError(f"{path}: not valid JSON: {exc}") from None
+
+
+def replay_cases(data: Any, *, capacity_bytes: int | None = None, source: str = "op file") -> dict[str, list[Row]]:
+    """Replay every case of an op document; {case name: rows}."""
+    config, cases = validate_document(data, source)
+    return {name: replay_ops(ops, config, capacity_bytes=capacity_bytes, case=name) for name, ops in cases.items()}
+
+
+def first_mismatch(expected: list[Row], got: list[Row]) -> tuple[int, Row | None, Row | None] | None:
+    """The first op index where two row lists differ (or None when they agree)."""
+    for index in range(max(len(expected), len(got))):
+        want = expected[index] if index < len(expected) else None
+        have = got[index] if index < len(got) else None
+        if want != have:
+            return index, want, have
+    return None

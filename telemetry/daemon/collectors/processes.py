@@ -1,0 +1,98 @@
+"""processes collector: resident memory of the serving processes (vLLM by default), by role, via psutil.
+
+Bounded work per scrape: a process's command line is read when it is first seen and again only
+while it is young (`recheck_seconds`), because vLLM renames its engine and worker processes
+(setproctitle "VLLM::EngineCore", "VLLM::Worker_TP0") a few seconds after they start. Afterwards
+only matched processes cost a read (their RSS). Bounded series: at most `max_per_role` per role.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import psutil
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+
+@dataclass(frozen=True)
+class RolePattern:
+    role: str
+    cmdline: re.Pattern[str]  # searched in the command line joined by spaces
+
+
+# vLLM's process titles: VLLM::APIServer_<n> (api server processes), VLLM::EngineCore[_DP<n>],
+# VLLM::Worker[_TP<n>...]; a single API server keeps its original `vllm serve ...` command line.
+DEFAULT_ROLES = (
+    RolePattern("api_server", re.compile(r"^VLLM::APIServer|(?:^|[/\s])vllm\s+serve\b|vllm\.entrypoints\.openai\.api_server")),
+    RolePattern("engine_core", re.compile(r"^VLLM::EngineCore")),
+    RolePattern("worker", re.compile(r"^VLLM::Worker")),
+)
+
+
+@dataclass
+class _Seen:
+    first_seen: float
+    role: str | None
+    process: psutil.Process | None
+
+
+class ProcessCollector:
+    def __init__(
+        self, roles: tuple[RolePattern, ...] = DEFAULT_ROLES, *, max_per_role: int = 8, recheck_seconds: float = 60.0
+    ) -> None:
+        self.roles = roles
+        self.max_per_role = max_per_role
+        self.recheck_seconds = recheck_seconds
+        self._seen: dict[int, _Seen] = {}
+
+    def _match(self, pid: int) -> tuple[str | None, psutil.Process | None]:
+        try:
+            process = psutil.Process(pid)
+            command = " ".join(process.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return None, None
+        for pattern in self.roles:
+            if command and pattern.cmdline.search(command):
+                return pattern.role, process
+        return None, None
+
+    def collect(self) -> list[Metric]:
+        now = time.monotonic()
+        pids = psutil.pids()
+        alive = set(pids)
+        for pid in list(self._seen):
+            if pid not in alive:
+                del self._seen[pid]
+        by_role: dict[str, list[tuple[int, int]]] = {pattern.role: [] for pattern in self.roles}
+        for pid in pids:
+            seen = self._seen.get(pid)
+            if seen is None or (seen.role is None and now - seen.first_seen < self.recheck_seconds):
+                role, process = self._match(pid)
+                seen = _Seen(seen.first_seen if seen else now, role, process)
+                self._seen[pid] = seen
+            if seen.role is None or seen.process is None:
+                continue
+            try:
+                rss = seen.process.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            by_role[seen.role].append((rss, pid))
+
+        resident = GaugeMetricFamily(
+            "memtel_process_resident_bytes", "Resident set size of a matched serving process.", labels=["role", "pid"]
+        )
+        role_resident = GaugeMetricFamily(
+            "memtel_process_role_resident_bytes", "Resident set size of all processes of the role.", labels=["role"]
+        )
+        role_count = GaugeMetricFamily(
+            "memtel_process_role_count", "Number of running processes matched to the role.", labels=["role"]
+        )
+        for role, members in by_role.items():
+            members.sort(reverse=True)
+            for rss, pid in members[: self.max_per_role]:
+                resident.add_metric([role, str(pid)], rss)
+            role_resident.add_metric([role], sum(rss for rss, _ in members))
+            role_count.add_metric([role], len(members))
+        return [resident, role_resident, role_count]

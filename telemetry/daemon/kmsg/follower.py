@@ -1,0 +1,209 @@
+"""Follows the kernel log in a thread and feeds the counts. The only code that reads `/dev/kmsg`.
+
+`/dev/kmsg` (a character device) returns exactly one record per read and `EPIPE` when the ring
+buffer overwrote records we had not read yet; reading then goes on from the oldest record left,
+and the gap in sequence numbers is counted as missed records. A plain file or a FIFO given with
+`--kmsg` is read line by line and followed like `tail -f`.
+
+When the log cannot be opened (no CAP_SYSLOG, missing path) the follower records the reason in
+`error`, which makes the kmsg collector report failure, and retries every `retry_interval` seconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import stat
+import threading
+import time
+from pathlib import Path
+
+from telemetry.daemon.kmsg.classify import Classifier
+from telemetry.daemon.kmsg.counts import KmsgCounts
+from telemetry.daemon.kmsg.record import KmsgRecord, parse_record
+from telemetry.daemon.kmsg.state import load_state, save_state
+
+log = logging.getLogger("memtel.daemon.kmsg")
+
+READ_SIZE = 16384  # larger than the biggest kmsg record (about 8 KiB with its properties)
+POLL_MS = 200  # how often the thread looks at its stop flag and the persist timer when idle
+
+
+class KmsgFollower:
+    def __init__(
+        self,
+        path: str,
+        classifier: Classifier,
+        counts: KmsgCounts,
+        *,
+        state_path: Path | None,
+        boot_id: str,
+        persist_interval: float = 1.0,
+        retry_interval: float = 10.0,
+    ) -> None:
+        self.path = path
+        self.classifier = classifier
+        self.counts = counts
+        self.state_path = state_path
+        self.boot_id = boot_id
+        self.persist_interval = persist_interval
+        self.retry_interval = retry_interval
+        self.error: str | None = None  # why the log is not being read right now
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dirty = False
+        self._last_persist = 0.0
+        self._logged_errors: set[str] = set()
+        self._overrun_logged = False
+        self._have_seq = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def load_state(self) -> None:
+        """Restore counts from the state file (same boot, same source); logs one line either way."""
+        if self.state_path is None:
+            return
+        result = load_state(self.state_path, self.boot_id, self.path)
+        (log.warning if result.problem else log.info)("%s", result.message)
+        if result.snapshot is not None:
+            self.counts.restore(result.snapshot)
+            self._have_seq = result.snapshot.last_seq is not None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="memtel-kmsg", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.persist(force=True)
+
+    # -- state --------------------------------------------------------------------------------------
+    def persist(self, force: bool = False) -> None:
+        if self.state_path is None or not self._dirty:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_persist < self.persist_interval:
+            return
+        self._last_persist = now
+        snapshot = self.counts.snapshot()
+        try:
+            save_state(self.state_path, snapshot, self.boot_id, self.path)
+            self._dirty = False
+        except OSError as exc:
+            self.counts.add_state_write_failure()
+            self._log_once(f"cannot write the kmsg state file {self.state_path}: {exc}")
+
+    # -- reading ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            fd = self._open()
+            if fd is None:
+                self._stop.wait(self.retry_interval)
+                continue
+            try:
+                if stat.S_ISCHR(os.fstat(fd).st_mode):
+                    self._follow_device(fd)
+                else:
+                    self._follow_stream(fd)
+            except OSError as exc:
+                self._fail(f"reading the kernel log {self.path} failed: {exc}")
+            finally:
+                os.close(fd)
+                self.persist(force=True)
+            if not self._stop.is_set():
+                self._stop.wait(self.retry_interval)
+
+    def _open(self) -> int | None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            hint = ""
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                hint = " (reading /dev/kmsg needs root or CAP_SYSLOG; see configs/systemd/memtel-daemon.service)"
+            self._fail(f"cannot read the kernel log {self.path}: {exc.strerror}{hint}")
+            return None
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.close(fd)
+            self._fail(f"cannot read the kernel log {self.path}: it is a directory (expected /dev/kmsg, a file or a FIFO)")
+            return None
+        if self.error is not None:
+            log.info("reading the kernel log %s again", self.path)
+        self.error = None
+        self._logged_errors.clear()
+        return fd
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        self._log_once(message)
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged_errors:
+            self._logged_errors.add(message)
+            log.warning("%s", message)
+
+    def _follow_device(self, fd: int) -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            while True:
+                try:
+                    chunk = os.read(fd, READ_SIZE)
+                except BlockingIOError:
+                    break
+                except BrokenPipeError:
+                    if not self._overrun_logged:
+                        self._overrun_logged = True
+                        log.warning("kernel log ring buffer overran: records were lost (counted as missed)")
+                    continue
+                if not chunk:
+                    break
+                record = parse_record(chunk.decode("utf-8", "replace"))
+                if record is not None:
+                    self._handle(record)
+                if self._stop.is_set():
+                    return
+            self.persist()
+            poller.poll(POLL_MS)
+
+    def _follow_stream(self, fd: int) -> None:
+        pending = b""
+        while not self._stop.is_set():
+            try:
+                chunk = os.read(fd, READ_SIZE)
+            except BlockingIOError:
+                chunk = None
+            if chunk:
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.startswith(b" "):
+                        continue  # a continuation line: properties, not classified
+                    record = parse_record(line.decode("utf-8", "replace"))
+                    if record is not None:
+                        self._handle(record)
+                continue
+            # End of a file (follow it like tail -f) or a FIFO without a writer: wait for more.
+            self.persist()
+            self._stop.wait(POLL_MS / 1000)
+
+    def _handle(self, record: KmsgRecord) -> None:
+        seq = record.seq
+        if seq is not None:
+            last = self.counts.last_seq
+            if last is not None and self._have_seq:
+                if seq <= last:
+                    return  # counted before a restart
+                if seq > last + 1:
+                    self.counts.add_missed(seq - last - 1)
+            self._have_seq = True
+        now_wall, now_mono = time.time(), time.monotonic()
+        if record.usec is not None:
+            usec = record.usec
+            wall = now_wall - now_mono + usec / 1e6  # the kernel stamps records with its monotonic clock
+        else:
+            usec, wall = int(now_mono * 1e6), now_wall
+        self.counts.add_record(self.classifier.classify(record), usec, wall, seq)
+        self._dirty = True

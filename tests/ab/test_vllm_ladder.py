@@ -1,0 +1,293 @@
+"""The A/B harness against real vLLM CPU servers, the real node daemon and the hook in the workers.
+
+Server starts are the cost (~40 s each on two cores), so each test combines scenarios:
+- `test_two_arms_interrupted_twice_then_resumed`: two served arms, 4k/4k/8k; Ctrl-C (SIGINT) during
+  arm A, --resume, SIGKILL of the harness during arm B (its watchdog must stop the server), --resume
+  again; then every record, exact prompt token counts, no step run twice, the report and plots.
+- `test_server_killed_mid_request`: a server SIGKILLed during a prefill, once in an arm that goes on
+  (on_error: continue, so a fresh serve runs the rest) and once in an arm that stops (stop-arm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.support.ports import free_port
+from tests.support.vllm import server_env, vllm_python
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+# A function that runs once per attention layer in the CPU worker (eager custom op, also under torch.compile).
+HOOK_TARGET = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"harness exited ({proc.returncode}) while waiting for {what}:\n{tail(log)}")
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}:\n{tail(log)}")
+
+
+def tail(path: Path | None, lines: int = 40) -> str:
+    if path is None or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "results.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def events(run_dir: Path, kind: str, **match) -> list[dict]:
+    return [r for r in records(run_dir) if r["event"] == kind and all(r.get(k) == v for k, v in match.items())]
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def port_free(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0)
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError:
+        return False
+    return False
+
+
+def harness(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "telemetry", "ab", *args], cwd=ROOT,
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def serve_arm(name: str, model: Path, port: int, hook_port: int | None = None, on_error: str | None = None,
+              max_model_len: int = 16384) -> dict:
+    env = {k: v for k, v in server_env().items() if k not in os.environ or os.environ[k] != v}
+    env["VLLM_SPARSE_INDEXER_FIXED_LOGITS_WIDTH"] = "1" if name.startswith("fixed") else "0"
+    if hook_port is not None:
+        env.update({"MEMTEL_TARGETS": HOOK_TARGET, "MEMTEL_PORT": str(hook_port), "MEMTEL_ADDR": "127.0.0.1"})
+    arm = {"name": name, "serve": {
+        "command": [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                    "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+                    "--max-model-len", str(max_model_len), "--dtype", "float32"],
+        "env": env, "health_url": f"http://127.0.0.1:{port}/health", "startup_timeout_s": 300, "stop_grace_s": 20,
+    }}
+    if on_error:
+        arm["on_error"] = on_error
+    return arm
+
+
+@pytest.fixture(scope="module")
+def node_daemon(tmp_path_factory):
+    """The real memtel node daemon on a free loopback port."""
+    state = tmp_path_factory.mktemp("daemon-state")
+    port = free_port()
+    log = state / "daemon.log"
+    proc = subprocess.Popen([sys.executable, "-m", "telemetry", "daemon", "--listen", f"127.0.0.1:{port}",
+                             "--state-dir", str(state)], cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def up():
+        try:
+            return httpx.get(url, timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, 60, "the node daemon", proc, log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_two_arms_interrupted_twice_then_resumed(tmp_path, tiny_model, node_daemon):
+    port_a, port_b, hook_port = free_port(), free_port(), free_port()
+    ladder = {
+        "model": "tiny",
+        "request": {"max_tokens": 8, "timeout_s": 300, "check_answer": False},
+        "arms": [serve_arm("stock", tiny_model, port_a, hook_port), serve_arm("fixed", tiny_model, port_b, hook_port)],
+        "nodes": {"local": node_daemon},
+        "ranks": {"rank0": f"http://127.0.0.1:{hook_port}/metrics"},
+        "steps": [{"label": "cold-4k", "tokens": 4000, "seed": 1}, {"label": "cold-4k-b", "tokens": 4000, "seed": 2},
+                  {"label": "cold-8k", "tokens": 8000, "seed": 3}],
+        "repeats": 1, "order": "ABAB",
+    }
+    ladder_path = tmp_path / "ladder.yaml"
+    ladder_path.write_text(yaml.safe_dump(ladder, sort_keys=False))
+    run_dir, log = tmp_path / "run", tmp_path / "harness.log"
+    procs: list[subprocess.Popen] = []
+    try:
+        # 1. Ctrl-C during arm A, after its first request: exit 130, server stopped, run_end interrupted.
+        proc = harness(["run", str(ladder_path), "--out", str(run_dir)], log)
+        procs.append(proc)
+        wait_for(lambda: events(run_dir, "request", arm="stock"), 240, "stock's first request", proc, log)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, tail(log)
+        first_pgid = events(run_dir, "serve_start")[0]["pgid"]
+        assert group_gone(first_pgid) and port_free(port_a)
+        assert events(run_dir, "serve_stop", pgid=first_pgid)
+        assert events(run_dir, "run_end")[-1]["status"] == "interrupted"
+        done_before = {(r["arm"], r["step"]) for r in events(run_dir, "request")}
+        assert ("stock", "cold-4k") in done_before
+
+        # A finished-or-not run directory is never overwritten by accident.
+        refused = subprocess.run([sys.executable, "-m", "telemetry", "ab", "run", str(ladder_path), "--out", str(run_dir)],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "already holds a run" in refused.stderr
+
+        # 2. Resume, then SIGKILL the harness during arm B: nothing in it runs, its watchdog stops the server.
+        proc = harness(["run", str(ladder_path), "--out", str(run_dir), "--resume"], log)
+        procs.append(proc)
+        wait_for(lambda: events(run_dir, "request", arm="fixed"), 300, "fixed's first request", proc, log)
+        proc.kill()
+        proc.wait(timeout=30)
+        fixed_pgid = events(run_dir, "serve_start", arm="fixed")[-1]["pgid"]
+        wait_for(lambda: group_gone(fixed_pgid) and port_free(port_b), 60, "the watchdog to stop the orphaned server")
+        done_mid = [(r["arm"], r["step"]) for r in events(run_dir, "request")]
+
+        # 3. Resume to the end, with the report.
+        proc = harness(["run", str(ladder_path), "--out", str(run_dir), "--resume"], log)
+        procs.append(proc)
+        assert proc.wait(timeout=400) == 0, tail(log)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    recs = records(run_dir)
+    requests = [r for r in recs if r["event"] == "request"]
+    keys = [(r["arm"], r["step"]) for r in requests]
+    # Every step exactly once: nothing finished before a kill was redone.
+    assert sorted(keys) == sorted((a, s) for a in ("stock", "fixed") for s in ("cold-4k", "cold-4k-b", "cold-8k"))
+    assert keys[:len(done_mid)] == done_mid
+    for r in requests:
+        assert r["ok"], r
+        assert r["prompt_tokens"] == r["prompt_token_count"] == r["tokens"], r  # exact, by the server's usage
+        assert r["prompt_tokens_match"] is True
+        assert 0 < r["ttft_s"] <= r["e2e_s"]
+        assert r["server_ttft_s"] is not None and r["server_ttft_s"] > 0
+        assert r["output_tokens"] and r["output_tokens"] >= 1
+        assert r["needle_found"] is None  # check_answer: false
+        assert r["node_samples"] >= 1 and r["min_mem_available_bytes"]["local"] > 0
+    by_step = {}
+    for r in requests:  # both arms got the same prompt for a step
+        by_step.setdefault(r["step"], set()).add(r["prompt_sha256"])
+    assert all(len(shas) == 1 for shas in by_step.values()) and len({s for v in by_step.values() for s in v}) == 3
+    prompts = [r for r in recs if r["event"] == "prompt"]
+    assert len({(p["step"], p["repeat"]) for p in prompts}) == 3 and all(p["tokenize_calls"] <= 3 for p in prompts)
+    # One fresh serve per (arm, segment): stock, stock resumed, fixed, fixed resumed; every one stopped.
+    starts = [r for r in recs if r["event"] == "serve_start"]
+    assert [s["arm"] for s in starts] == ["stock", "stock", "fixed", "fixed"]
+    assert all(group_gone(s["pgid"]) for s in starts)
+    assert [r["status"] for r in recs if r["event"] == "run_end"] == ["interrupted", "complete"]
+    infos = [r for r in recs if r["event"] == "server_info"]
+    assert all(i["version"]["version"] for i in infos) and all(i["rank_errors"] == {} for i in infos)
+    run_start = [r for r in recs if r["event"] == "run_start"][0]
+    assert run_start["environment"]["memtel_version"] and run_start["ladder_text"] == ladder_path.read_text()
+    # Telemetry: the node daemon before the first and after each request, the hook's rank exporter too.
+    scrapes = [r for r in recs if r["event"] == "scrape"]
+    assert len([s for s in scrapes if s["phase"] == "after"]) == 6
+    assert len([s for s in scrapes if s["phase"] == "baseline"]) == 4
+    for s in scrapes:
+        assert s["nodes"]["local"]["mem_available_bytes"] > 0, s
+        assert s["ranks"]["rank0"].get("hook_calls_total") is not None, s
+        assert s["server"]["ttft_count"] is not None
+    after = [s for s in scrapes if s["phase"] == "after"]
+    assert all(s["ranks"]["rank0"]["hook_calls_total"] > 0 for s in after)
+    hook_logs = sorted((run_dir / "hook-logs").glob("*/memtel-calls-rank0-pid*.jsonl"))
+    assert {p.parent.name for p in hook_logs} == {"stock-r0", "fixed-r0"}
+    # The report: four tables with a row per step, plots, summary.
+    report = (run_dir / "report.md").read_text()
+    for heading in ("## 1. Allocator growth per rank", "## 2. Host MemAvailable per request",
+                    "## 3. Time to first token per request", "## 4. Swap and driver errors per request"):
+        assert heading in report
+    for step in ("cold-4k", "cold-4k-b", "cold-8k"):
+        assert f"| {step} | local |" in report
+    assert "| cold-8k | 8,000 (exact) |" in report
+    assert "| rank0 | stock |" in report and "| rank0 | fixed |" in report
+    assert "None: every request of every arm completed." in report
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(summary["requests"]) == 6 and summary["status"] == "complete"
+    for plot in summary["plots"]:
+        assert (run_dir / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"plots/mem_available_local.png", "plots/ttft.png", "plots/reserved_rank0.png"} <= set(summary["plots"])
+
+
+def test_server_killed_mid_request(tmp_path, tiny_model, node_daemon):
+    port_a, port_b = free_port(), free_port()
+    steps = [{"label": "small", "tokens": 2000, "seed": 1}, {"label": "long", "tokens": 40000, "seed": 2},
+             {"label": "after", "tokens": 2000, "seed": 3}]
+    ladder = {
+        "model": "tiny", "request": {"max_tokens": 4, "timeout_s": 300, "check_answer": False},
+        "arms": [serve_arm("goes-on", tiny_model, port_a, on_error="continue", max_model_len=49152),
+                 serve_arm("stops", tiny_model, port_b, on_error="stop-arm", max_model_len=49152)],
+        "nodes": {"local": node_daemon}, "steps": steps, "sample_interval_s": 0.5,
+    }
+    ladder_path = tmp_path / "ladder.yaml"
+    ladder_path.write_text(yaml.safe_dump(ladder, sort_keys=False))
+    run_dir, log = tmp_path / "run", tmp_path / "harness.log"
+    proc = harness(["run", str(ladder_path), "--out", str(run_dir)], log)
+    killed = []
+    try:
+        for arm in ("goes-on", "stops"):
+            # The long prefill is in flight once the 1 s node sampler has recorded for it.
+            wait_for(lambda: len(events(run_dir, "node_sample", arm=arm, step="long")) >= 2, 300, f"{arm}'s long request", proc, log)
+            pgid = events(run_dir, "serve_start", arm=arm)[-1]["pgid"]
+            os.killpg(pgid, signal.SIGKILL)
+            killed.append(pgid)
+        assert proc.wait(timeout=400) == 0, tail(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    requests = {(r["arm"], r["step"]): r for r in events(run_dir, "request")}
+    for arm in ("goes-on", "stops"):
+        assert requests[(arm, "small")]["ok"]
+        failed = requests[(arm, "long")]
+        assert not failed["ok"] and failed["error"], failed
+    # continue: a fresh serve ran the rest; stop-arm: the rest is skipped, with the reason.
+    assert requests[("goes-on", "after")]["ok"]
+    assert [s["arm"] for s in events(run_dir, "serve_start")] == ["goes-on", "goes-on", "stops"]
+    assert ("stops", "after") not in requests
+    skipped = events(run_dir, "step_skipped", arm="stops")
+    assert [s["step"] for s in skipped] == ["after"] and "server died at step long" in skipped[0]["reason"]
+    assert events(run_dir, "arm_stopped", arm="stops")
+    assert not events(run_dir, "arm_stopped", arm="goes-on")
+    assert all(group_gone(s["pgid"]) for s in events(run_dir, "serve_start"))
+    report = (run_dir / "report.md").read_text()
+    assert "- goes-on r0 long: failed:" in report and "- stops r0 after: skipped: server died" in report

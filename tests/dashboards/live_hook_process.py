@@ -1,0 +1,83 @@
+"""A process with a hooked function, scraped by the live Prometheus test (test_live_prometheus.py).
+
+    python -m tests.dashboards.live_hook_process --port PORT [--seconds S] [--marker TEXT]
+
+It is a serving rank in miniature. `logits_chunk` (a function of this module) is hooked with
+`telemetry.install`; the lab's caching-allocator simulator is the allocator source, as in
+`memtel lab serve --allocator sim`; each call allocates float32 logits [rows, width] with a width
+that grows call by call, like the sparse indexer's prefill, so the allocator keeps mapping new
+segments: growth events, reserved deltas and device allocations all move.
+
+Two failure paths of the hook are exercised on purpose, because dashboards and alerts read them:
+one install target that does not exist (memtel_hook_install_failures_total) and an allocator
+read that fails on every 7th call (memtel_hook_errors_total{stage="allocator"}).
+
+The process exits after --seconds, or as soon as its parent is gone. `--marker` only appears on
+the command line, so the daemon's process collector can match it as a serving role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROWS = 64
+FLOAT32 = 4
+WIDTH_STEP = 4096                  # 1 MiB more logits per call
+MAX_LOGITS_BYTES = 256 << 20       # then empty_cache and start over, so the simulated pool stays bounded
+MISSING_TARGET = "json:memtel_live_test_no_such_function"  # an existing module without that attribute
+
+
+def logits_chunk(allocator, width: int) -> None:
+    """One prefill chunk's logits: allocate [ROWS, width] float32 and free it (the cache keeps it)."""
+    allocator.free(allocator.malloc(ROWS * width * FLOAT32))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True, help="hook exporter port (local rank 0)")
+    parser.add_argument("--seconds", type=float, default=300.0, help="stop after this long")
+    parser.add_argument("--interval", type=float, default=0.05, help="seconds between hooked calls")
+    parser.add_argument("--marker", default="memtel-live-hook-process", help="text for the daemon to match")
+    args = parser.parse_args(argv)
+
+    import telemetry
+    from harness.lab.allocsim import CachingAllocatorSim
+    from telemetry.hook import set_allocator_source
+
+    simulator = CachingAllocatorSim()
+    reads = 0
+
+    def allocator_source() -> dict:
+        nonlocal reads
+        reads += 1
+        if reads % 7 == 0:
+            raise RuntimeError("allocator statistics unreadable (injected by the live test)")
+        return simulator.stats()
+
+    set_allocator_source(allocator_source)
+    handle = telemetry.install([f"{__name__}:logits_chunk", MISSING_TARGET], port=args.port, addr="127.0.0.1")
+    if f"{__name__}:logits_chunk" not in handle.installed:
+        print(f"hook not installed: installed={handle.installed} failed={handle.failed}", file=sys.stderr)
+        return 1
+
+    parent = os.getppid()
+    deadline = time.monotonic() + args.seconds
+    width = 1024
+    module = sys.modules[__name__]
+    while time.monotonic() < deadline and os.getppid() == parent:
+        # Looked up at call time, as the indexer's call site does: the hook's wrapper runs.
+        module.logits_chunk(simulator, width)
+        width += WIDTH_STEP
+        if ROWS * width * FLOAT32 > MAX_LOGITS_BYTES:
+            simulator.empty_cache()  # a negative reserved delta on the next call
+            width = 1024
+        time.sleep(args.interval)
+    handle.uninstall()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

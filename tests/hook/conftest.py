@@ -1,0 +1,45 @@
+"""Fixtures for the hook tests: throw-away modules to hook, and no hook left behind by a test."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+from telemetry.hook import active_handle, set_allocator_source
+
+
+@pytest.fixture(autouse=True)
+def _no_hook_left_behind():
+    yield
+    handle = active_handle()
+    if handle is not None:
+        handle.uninstall()
+    set_allocator_source(None)
+
+
+@pytest.fixture
+def make_module(tmp_path, monkeypatch):
+    """make_module(source, package=None) -> unique module name, importable from tmp_path (not imported yet)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    created = []
+
+    def make(source: str, package: str | None = None) -> str:
+        name = "memtel_test_" + uuid.uuid4().hex[:10]
+        folder = tmp_path
+        if package is not None:
+            folder = tmp_path / package
+            folder.mkdir(exist_ok=True)
+            init = folder / "__init__.py"
+            if not init.exists():
+                init.write_text("")
+        (folder / f"{name}.py").write_text(textwrap.dedent(source))
+        full = f"{package}.{name}" if package else name
+        created.append(full)
+        return full
+
+    yield make
+    for name in created:
+        sys.modules.pop(name, None)

@@ -1,0 +1,234 @@
+"""The record path: pass-through, errors counted not raised, Prometheus values, growth, threads."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+import telemetry
+from telemetry.hook import set_allocator_source
+from telemetry.hook.prometheus_sink import RESERVED_DELTA_BUCKETS
+from telemetry.hook.record import available_and_swap_free, shape_of
+from telemetry.procfs.meminfo import MeminfoReader, parse_meminfo
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE = socket.gethostname()
+SOURCE = """
+class Boom(Exception):
+    pass
+
+def identity(x):
+    return x
+
+def fail(error):
+    raise error
+"""
+
+
+def labels(site, **extra):
+    return {"site": site, "rank": "0", "node": NODE, **extra}
+
+
+class FakeAllocator:
+    """An allocator source (the contract of set_allocator_source) whose values a test drives."""
+
+    def __init__(self):
+        self.values = dict(reserved_bytes=0, allocated_bytes=0, num_device_alloc=0, num_device_free=0,
+                           num_alloc_retries=0, num_ooms=0)
+
+    def grow(self, nbytes):
+        self.values["reserved_bytes"] += nbytes
+        self.values["allocated_bytes"] += nbytes
+        self.values["num_device_alloc"] += 1
+
+    def __call__(self):
+        return dict(self.values)
+
+
+def test_result_and_exceptions_pass_through_unchanged(make_module, tmp_path):
+    name = make_module(SOURCE)
+    module = importlib.import_module(name)
+    registry = CollectorRegistry()
+    telemetry.install([f"{name}:identity", f"{name}:fail"], port=None, registry=registry, log_dir=tmp_path)
+    payload = object()
+    assert module.identity(payload) is payload
+    error = module.Boom("boom")
+    with pytest.raises(module.Boom) as raised:
+        module.fail(error)
+    assert raised.value is error
+    # The failed call is recorded too: an OOM raised by the hooked function is worth a record.
+    assert registry.get_sample_value("memtel_hook_calls_total", labels(f"{name}:fail")) == 1
+    assert registry.get_sample_value("memtel_hook_errors_total", labels(f"{name}:fail", stage="allocator")) is None
+
+
+def test_errors_inside_telemetry_are_counted_never_raised(make_module):
+    name = make_module(SOURCE)
+    module = importlib.import_module(name)
+    registry = CollectorRegistry()
+    telemetry.install([f"{name}:identity"], port=None, registry=registry)
+
+    def broken_source():
+        raise RuntimeError("allocator source exploded")
+
+    set_allocator_source(broken_source)
+    assert module.identity(3) == 3
+    assert module.identity(4) == 4
+    assert registry.get_sample_value("memtel_hook_errors_total",
+                                     labels(f"{name}:identity", stage="allocator")) == 2
+    set_allocator_source(lambda: {"reserved_bytes": 1})  # missing keys: a KeyError inside the hook
+    assert module.identity(5) == 5
+    assert registry.get_sample_value("memtel_hook_errors_total",
+                                     labels(f"{name}:identity", stage="allocator")) == 3
+
+
+def test_registry_values_follow_the_allocator_and_the_host(make_module):
+    name = make_module(SOURCE)
+    module = importlib.import_module(name)
+    site = f"{name}:identity"
+    fake = FakeAllocator()
+    set_allocator_source(fake)
+    registry = CollectorRegistry()
+    telemetry.install([site], port=None, registry=registry)  # baseline read here: all zero
+    growth_calls = [1, 2, 5]
+    sizes = {1: 2 << 20, 2: 64 << 20, 5: 3 << 30}
+    for call in range(7):
+        if call in growth_calls:
+            fake.grow(sizes[call])
+        before = parse_meminfo(Path("/proc/meminfo").read_text())["MemAvailable"]
+        module.identity(call)
+        after = parse_meminfo(Path("/proc/meminfo").read_text())["MemAvailable"]
+        value = registry.get_sample_value("memtel_hook_host_mem_available_bytes", labels(site))
+        assert min(before, after) - (64 << 20) <= value <= max(before, after) + (64 << 20)
+    get = lambda metric, **kw: registry.get_sample_value(metric, labels(site, **kw))  # noqa: E731
+    assert get("memtel_hook_calls_total") == 7
+    assert get("memtel_hook_growth_events_total") == len(growth_calls)
+    assert get("memtel_allocator_reserved_bytes") == sum(sizes.values())
+    assert get("memtel_allocator_allocated_bytes") == sum(sizes.values())
+    assert get("memtel_allocator_device_alloc_total") == 3
+    assert get("memtel_allocator_device_free_total") == 0
+    assert get("memtel_allocator_ooms_total") == 0
+    assert get("memtel_allocator_alloc_retries_total") == 0
+    assert get("memtel_hook_host_swap_free_bytes") is not None
+    # Histogram of the per-call reserved delta: four calls with 0, one each of 2 MiB, 64 MiB, 3 GiB.
+    assert get("memtel_hook_reserved_delta_bytes_count") == 7
+    assert get("memtel_hook_reserved_delta_bytes_sum") == sum(sizes.values())
+    assert get("memtel_hook_reserved_delta_bytes_bucket", le="0.0") == 4
+    assert get("memtel_hook_reserved_delta_bytes_bucket", le=str(float(2 << 20))) == 5
+    assert get("memtel_hook_reserved_delta_bytes_bucket", le=str(float(64 << 20))) == 6
+    assert get("memtel_hook_reserved_delta_bytes_bucket", le=str(float(RESERVED_DELTA_BUCKETS[-1]))) == 7
+    assert get("memtel_hook_reserved_delta_bytes_bucket", le="+Inf") == 7
+
+
+def test_allocator_series_are_absent_without_an_allocator(make_module):
+    name = make_module(SOURCE)
+    module = importlib.import_module(name)
+    registry = CollectorRegistry()
+    telemetry.install([f"{name}:identity"], port=None, registry=registry)
+    module.identity(1)
+    site = f"{name}:identity"
+    assert registry.get_sample_value("memtel_hook_calls_total", labels(site)) == 1
+    assert registry.get_sample_value("memtel_hook_host_mem_available_bytes", labels(site)) > 0
+    for metric in ("memtel_allocator_reserved_bytes", "memtel_allocator_device_alloc_total",
+                   "memtel_hook_growth_events_total", "memtel_hook_reserved_delta_bytes_count"):
+        assert registry.get_sample_value(metric, labels(site)) is None, metric
+
+
+def test_calls_from_many_threads_are_all_counted_and_logged_once(make_module, tmp_path):
+    name = make_module(SOURCE)
+    module = importlib.import_module(name)
+    registry = CollectorRegistry()
+    handle = telemetry.install([f"{name}:identity"], port=None, registry=registry, log_dir=tmp_path)
+    threads, per_thread = 8, 500
+    barrier = threading.Barrier(threads)
+
+    def work():
+        barrier.wait()
+        for i in range(per_thread):
+            module.identity(i)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    handle.flush()
+    assert registry.get_sample_value("memtel_hook_calls_total", labels(f"{name}:identity")) == threads * per_thread
+    records = [json.loads(line) for line in Path(handle.log_path).read_text().splitlines()]
+    assert sorted(r["call"] for r in records) == list(range(threads * per_thread))
+
+
+def test_shape_summary_of_the_first_tensor_argument(make_module, tmp_path):
+    torch = pytest.importorskip("torch")
+    assert shape_of((torch.empty(7, 3, 5), torch.empty(2)), {}) == [7, 15]
+    assert shape_of(((torch.empty(4, 8), torch.empty(4)), torch.empty(1)), {}) == [4, 8]  # (q, scale)
+    assert shape_of((1, "x"), {"q": torch.empty(6, 2)}) == [6, 2]
+    assert shape_of((1, 2), {}) is None
+    name = make_module(SOURCE)
+    module = importlib.import_module(name)
+    handle = telemetry.install([f"{name}:identity"], port=None, log_dir=tmp_path, record_shape=True)
+    module.identity(torch.empty(9, 4))
+    handle.flush()
+    assert json.loads(Path(handle.log_path).read_text())["shape"] == [9, 4]
+
+
+def test_fast_meminfo_fields_match_the_parser():
+    text = MeminfoReader().read_text()
+    parsed = parse_meminfo(text)
+    available, swap_free = available_and_swap_free(text)
+    # The kernel regenerates the file per read; the same text must give the same numbers.
+    assert available == parsed["MemAvailable"] and swap_free == parsed["SwapFree"]
+    fixture_dir = ROOT / "tests" / "fixtures" / "proc"
+    for path in sorted(fixture_dir.glob("meminfo*")):
+        fixture = parse_meminfo(path.read_text())
+        assert available_and_swap_free(path.read_text()) == (fixture.get("MemAvailable"), fixture.get("SwapFree"))
+    assert available_and_swap_free("MemTotal: 1 kB\n") == (None, None)
+
+
+def test_torch_compile_traces_through_without_recording_or_graph_breaks(make_module):
+    torch = pytest.importorskip("torch")
+    name = make_module("def scale(x):\n    return x * 2\n")
+    module = importlib.import_module(name)
+    registry = CollectorRegistry()
+    telemetry.install([f"{name}:scale"], port=None, registry=registry)
+    site = f"{name}:scale"
+
+    def model(x):
+        return module.scale(x) + 1
+
+    explanation = torch._dynamo.explain(model)(torch.ones(3))
+    assert explanation.graph_break_count == 0
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+    assert registry.get_sample_value("memtel_hook_calls_total", labels(site)) is None  # traced, not recorded
+    assert torch.equal(model(torch.ones(3)), torch.full((3,), 3.0))                   # eager: recorded
+    assert registry.get_sample_value("memtel_hook_calls_total", labels(site)) == 1
+
+
+def test_hook_never_imports_torch_into_a_process_without_it(tmp_path):
+    (tmp_path / "plain_mod.py").write_text("def f(x):\n    return x + 1\n")
+    code = (
+        "import sys, json\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import telemetry\n"
+        f"h = telemetry.install(['plain_mod:f'], port=None, log_dir={str(tmp_path)!r})\n"
+        "import plain_mod\n"
+        "assert plain_mod.f(1) == 2\n"
+        "h.flush()\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'log': open(h.log_path).read()}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["torch"] is False
+    record = json.loads(result["log"])
+    assert record["device"] == "cpu" and "reserved_bytes" not in record and record["mem_available_bytes"] > 0

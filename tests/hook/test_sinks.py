@@ -1,0 +1,195 @@
+"""The sinks: the JSONL log (complete after SIGTERM, bounded, exact format) and the lazy exporter."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import telemetry
+from telemetry.hook.jsonl_sink import JsonlConfig, JsonlSink, RecordFormatter, format_record
+from tests.support.ports import free_port, free_port_block
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A child process: hooks a function, calls it N times, says "ready", then waits to be killed.
+CHILD = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import telemetry
+mode, calls = sys.argv[3], int(sys.argv[4])
+if mode == "host-handler":
+    def on_term(signum, frame):
+        open(os.path.join(sys.argv[2], "host-handler-ran"), "w").write("yes")
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, on_term)
+handle = telemetry.install(["child_mod:f"], port=None, log_dir=sys.argv[2],
+                           flush_interval_s=3600, flush_records=10**9)  # only exit/SIGTERM flush
+import child_mod
+for i in range(calls):
+    child_mod.f(i)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _run_child(tmp_path: Path, mode: str, calls: int) -> tuple[subprocess.Popen, Path]:
+    (tmp_path / "child_mod.py").write_text("def f(x):\n    return x\n")
+    log_dir = tmp_path / "logs"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(log_dir), mode, str(calls)],
+                             cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert child.stdout.readline().strip() == "ready"
+    return child, log_dir
+
+
+@pytest.mark.parametrize("mode, expected_status", [("default", -signal.SIGTERM), ("host-handler", 3)])
+def test_every_record_reaches_the_log_after_sigterm(tmp_path, mode, expected_status):
+    calls = 3000
+    child, log_dir = _run_child(tmp_path, mode, calls)
+    try:
+        files = list(log_dir.glob("*.jsonl"))
+        assert not files or files[0].stat().st_size == 0  # nothing flushed before the signal
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) == expected_status  # the host's handling is unchanged
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    files = list(log_dir.glob("*.jsonl"))
+    assert [f.name for f in files] == [f"memtel-calls-rank0-pid{child.pid}.jsonl"]
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert [r["call"] for r in records] == list(range(calls))
+    assert {r["site"] for r in records} == {"child_mod:f"} and {r["pid"] for r in records} == {child.pid}
+    assert (tmp_path / "logs" / "host-handler-ran").exists() == (mode == "host-handler")
+
+
+def test_every_record_reaches_the_log_at_normal_exit(tmp_path):
+    (tmp_path / "exit_mod.py").write_text("def f(x):\n    return x\n")
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r})\nimport telemetry\n"
+            f"telemetry.install(['exit_mod:f'], port=None, log_dir={str(tmp_path)!r}, flush_interval_s=3600,"
+            " flush_records=10**9)\nimport exit_mod\n[exit_mod.f(i) for i in range(1234)]\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    (log,) = tmp_path.glob("memtel-calls-*.jsonl")
+    assert len(log.read_text().splitlines()) == 1234
+
+
+def test_a_full_queue_drops_and_counts_instead_of_blocking(make_module, tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    name = make_module("def f(x):\n    return x\n")
+    module = importlib.import_module(name)
+    registry = CollectorRegistry()
+    handle = telemetry.install([f"{name}:f"], port=None, log_dir=tmp_path, registry=registry, max_queue=10,
+                               flush_interval_s=3600, flush_records=10**9)
+    for i in range(100):
+        module.f(i)
+    node = socket.gethostname()
+    assert registry.get_sample_value("memtel_hook_log_dropped_records_total", {"rank": "0", "node": node}) == 90
+    assert registry.get_sample_value("memtel_hook_calls_total", {"site": f"{name}:f", "rank": "0",
+                                                                 "node": node}) == 100
+    handle.flush()
+    records = [json.loads(line) for line in Path(handle.log_path).read_text().splitlines()]
+    assert [r["call"] for r in records] == list(range(10))
+
+
+def test_writer_flushes_on_the_time_bound_without_exit(make_module, tmp_path):
+    name = make_module("def f(x):\n    return x\n")
+    module = importlib.import_module(name)
+    handle = telemetry.install([f"{name}:f"], port=None, log_dir=tmp_path, flush_interval_s=0.2)
+    for i in range(5):
+        module.f(i)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        path = Path(handle.log_path)
+        if path.exists() and len(path.read_text().splitlines()) == 5:
+            break
+        time.sleep(0.05)
+    assert len(Path(handle.log_path).read_text().splitlines()) == 5
+
+
+@pytest.mark.parametrize("item", [
+    (1795000000.25, 0, "pkg.mod:f", "cuda:0", (1 << 30, 5, 7, 1, 0, 0), 123 << 20, 0, None),
+    (1795000000.5, 9, "pkg.mod:Class.m", "cpu", None, 4096, 8192, [4, 7]),
+    (1795000001.0, 2, 'odd"site\\name', "sim", (0, 0, 0, 0, 0, 0), None, 5, [1, 1]),
+])
+def test_fast_formatter_writes_exactly_the_reference_json(item):
+    fast = RecordFormatter(rank=3, pid=77, node="node-1")
+    line = fast(item)
+    assert json.loads(line) == json.loads(format_record(item, 3, 77, "node-1"))
+    assert list(json.loads(line)) == list(json.loads(format_record(item, 3, 77, "node-1")))  # key order too
+
+
+def test_log_file_name_has_rank_and_pid(tmp_path):
+    sink = JsonlSink(JsonlConfig(str(tmp_path)), node="n")
+    sink.open(rank=5)
+    sink.push((time.time(), 0, "a:b", "cpu", None, 1, 2, None))
+    sink.close()
+    assert [p.name for p in tmp_path.iterdir()] == [f"memtel-calls-rank5-pid{os.getpid()}.jsonl"]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_exporter_starts_only_at_the_first_hooked_call_on_port_plus_local_rank(tmp_path):
+    base = free_port_block(3)
+    (tmp_path / "rank_mod.py").write_text("def f(x):\n    return x\n")
+    code = (f"import sys, time; sys.path.insert(0, {str(tmp_path)!r})\nimport telemetry\n"
+            f"telemetry.install(['rank_mod:f'], port={base}, addr='127.0.0.1')\n"
+            "print('installed', flush=True); sys.stdin.readline()\n"
+            "import rank_mod; rank_mod.f(1); rank_mod.f(2)\n"
+            "print('called', flush=True); sys.stdin.readline()\n")
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "LOCAL_RANK": "2",
+                                             "RANK": "6"})
+    try:
+        assert child.stdout.readline().strip() == "installed"
+        assert not any(_listening(base + i) for i in range(3))  # installed, nothing called: no exporter
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "called"
+        assert not _listening(base) and not _listening(base + 1)
+        text = httpx.get(f"http://127.0.0.1:{base + 2}/metrics", timeout=5).text
+        line = next(x for x in text.splitlines() if x.startswith("memtel_hook_calls_total{"))
+        assert 'site="rank_mod:f"' in line and 'rank="6"' in line and line.endswith(" 2.0")
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_a_taken_exporter_port_is_counted_and_the_log_still_works(make_module, tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    name = make_module("def f(x):\n    return x\n")
+    module = importlib.import_module(name)
+    port = free_port()
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", port))
+    blocker.listen()
+    try:
+        registry = CollectorRegistry()
+        handle = telemetry.install([f"{name}:f"], port=port, addr="127.0.0.1", log_dir=tmp_path, registry=registry)
+        assert module.f(4) == 4 and module.f(5) == 5
+        handle.flush()
+        assert len(Path(handle.log_path).read_text().splitlines()) == 2
+        assert registry.get_sample_value("memtel_hook_errors_total", {"site": "", "stage": "exporter", "rank": "0",
+                                                                      "node": socket.gethostname()}) == 1
+        assert handle.exporter_port is None
+    finally:
+        blocker.close()
