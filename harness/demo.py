@@ -99,7 +99,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     advanced.add_argument("--ranks", type=_positive_int, default=2, help="ranks per lab server (default 2)")
     advanced.add_argument("--time-scale", type=_non_negative, default=DEFAULT_SIM_TIME_SCALE,
                           help=f"sim: multiply the cost model's time (default {DEFAULT_SIM_TIME_SCALE}: a 100k-token "
-                               f"prefill takes ~0.5 s instead of ~54 s)")
+                               f"prefill takes ~2.7 s instead of ~54 s)")
     advanced.add_argument("--overwrite", action="store_true", help="replace a finished run in --out")
 
 
@@ -293,7 +293,8 @@ def run_demo(shape: DemoShape, steps: list[tuple[int, str]], out: Path, overwrit
         return 1
     finally:
         daemon.stop()
-    print(f"memtel demo: done in {time.monotonic() - started:.0f} s. Report: {report}", flush=True)
+    # A new line first: the harness's status line may have left the cursor at its end.
+    print(f"\nmemtel demo: done in {time.monotonic() - started:.0f} s. Report: {report}", flush=True)
     return 0
 
 

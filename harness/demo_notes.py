@@ -10,6 +10,7 @@ prompts in the same order, with the same shapes. With the simulator the two must
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,8 @@ class _ScaledSimBackend:
         from harness.lab.allocsim import CachingAllocatorSim
 
         self.scale = scale
-        self.sim = CachingAllocatorSim("")
+        # The ranks' allocator settings: PYTORCH_CUDA_ALLOC_CONF, which they inherit.
+        self.sim = CachingAllocatorSim(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
 
     def launch(self, rows: int, width: int, kv_len: int) -> Any:
         from harness.lab import indexer

@@ -150,7 +150,7 @@ class NodeSampler:
     def _loop(self) -> None:
         scraper = Scraper(timeout_s=min(5.0, max(0.5, self.interval_s)))
         try:
-            while not self._stop.is_set():
+            while True:  # at least one sample, however short the request
                 started = time.monotonic()
                 for name, url in self.nodes.items():
                     snap = scraper.node(url)
@@ -161,7 +161,8 @@ class NodeSampler:
                         except Exception:  # the sampler must not die with a full disk or such
                             pass
                 self.samples += 1
-                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+                if self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started))):
+                    break
         finally:
             scraper.close()
 

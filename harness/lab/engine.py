@@ -149,7 +149,9 @@ class LabEngine:
             self.stop()
             raise
         self._problem = None
-        log.info("lab engine up: %d rank(s), %s", len(self._ranks), [r.info for r in self._ranks])
+        log.info("lab engine up: %s", ", ".join(
+            f"rank {r.rank} pid {r.info.get('pid')} ({r.info.get('allocator')}"
+            f"{' ' + r.info['device_name'] if r.info.get('device_name') else ''})" for r in self._ranks))
 
     def stop(self, grace_s: float = 5.0) -> None:
         self._problem = self._problem or "stopped"

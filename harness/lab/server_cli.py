@@ -25,7 +25,7 @@ log = logging.getLogger("memtel.lab")
 
 DEFAULT_PORT = 8000
 DEFAULT_SIM_SCALE = 0.25  # keeps the demo's host-backed memory near 2.5 GiB on a 24 GiB box
-DEFAULT_SIM_TIME_SCALE = 0.01
+DEFAULT_SIM_TIME_SCALE = 0.05
 
 
 def _positive_int(text: str) -> int:
@@ -99,8 +99,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help=f"multiply the rows (so the bytes) of every logits launch by S, so the unified-memory "
                             f"emulation fits this machine (default {DEFAULT_SIM_SCALE} with sim, 1 with cuda)")
     serve.add_argument("--time-scale", type=_non_negative, default=DEFAULT_SIM_TIME_SCALE,
-                       help=f"sim: multiply the cost model's prefill time (calibrated to a 54 s 100k-token "
-                            f"prefill) by X (default {DEFAULT_SIM_TIME_SCALE}); ignored with cuda")
+                       help=f"multiply the cost model's times by X (default {DEFAULT_SIM_TIME_SCALE}): the prefill "
+                            f"on sim (calibrated to a 54 s cold 100k-token prefill; cuda prefills take real time) and "
+                            f"each output token (50 ms) on both")
     serve.add_argument("--alloc-conf", default=None,
                        help="sim: allocator settings in PYTORCH_CUDA_ALLOC_CONF syntax (default: that variable)")
     serve.add_argument("--no-unified-memory", action="store_true",

@@ -148,7 +148,7 @@ def _counters(torch: Any) -> list[int]:
     ]
 
 
-def run_case(torch: Any, ops: list[list[Any]]) -> tuple[list[list[Any]], list[list[int]]]:
+def run_case(torch: Any, ops: list[list[Any]], addresses: list[int] | None = None) -> tuple[list[list[Any]], list[list[int]]]:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = _counters(torch)
@@ -158,8 +158,11 @@ def run_case(torch: Any, ops: list[list[Any]]) -> tuple[list[list[Any]], list[li
         if op[0] == "malloc":
             try:
                 live[op[1]] = torch.empty(op[2], dtype=torch.uint8, device="cuda")
+                if addresses is not None:
+                    addresses.append(live[op[1]].data_ptr())
             except torch.cuda.OutOfMemoryError:
-                pass
+                if addresses is not None:
+                    addresses.append(0)
         elif op[0] == "free":
             live.pop(op[1], None)
         else:
@@ -170,16 +173,21 @@ def run_case(torch: Any, ops: list[list[Any]]) -> tuple[list[list[Any]], list[li
     return ops, after
 
 
-def worker(config: str, out: Path) -> int:
+def worker(config: str, out: Path, with_addresses: bool = False) -> int:
     import torch
 
     torch.cuda.init()
     torch.empty(1, device="cuda")  # context and the first small segment, before any case
     props = torch.cuda.get_device_properties(0)
     cases = {}
+    addresses: dict[str, list[int]] = {}
     for name, ops in build_cases().items():
-        ops, after = run_case(torch, ops)
+        addresses[name] = []
+        ops, after = run_case(torch, ops, addresses[name] if with_addresses else None)
         cases[name] = {"ops": ops, "after": after}
+    if with_addresses:
+        # Diagnostics, beside the truth file: the device address of every malloc (0: out of memory).
+        out.with_suffix(".addresses.json").write_text(json.dumps(addresses, separators=(",", ":")))
     doc = {
         "config": config,
         "torch": torch.__version__,
@@ -200,11 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for the truth files")
     parser.add_argument("--config", action="append", default=None, help="allocator configs (default: the built-in list)")
+    parser.add_argument("--addresses", action="store_true", help="also write each malloc's device address beside each file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), args.file)
+        return worker(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), args.file, args.addresses)
     args.out.mkdir(parents=True, exist_ok=True)
     failures = 0
     for config in args.config or CONFIGS:
@@ -213,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / f"h200-torch-{config_slug(config)}.json"
         started = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "harness.lab.truth_capture", "--out", str(args.out), "--worker", "--file", str(path)],
+            [sys.executable, "-m", "harness.lab.truth_capture", "--out", str(args.out), "--worker", "--file", str(path)]
+            + (["--addresses"] if args.addresses else []),
             env=env,
             capture_output=True,
             text=True,

@@ -107,6 +107,9 @@ class SimBackend:
     def host_backed_bytes(self) -> int | None:
         return None if self.backing is None else self.backing.mapped_bytes
 
+    def finish(self) -> None:
+        """End of a prefill: nothing is in flight on a simulator."""
+
     def close(self) -> None:
         if self.backing is not None:
             self.backing.release_all()
@@ -144,8 +147,12 @@ class CudaBackend:
     def host_backed_bytes(self) -> None:
         return None
 
-    def close(self) -> None:
+    def finish(self) -> None:
+        """End of a prefill: wait for the GPU, so the time to first token is the GPU's."""
         self.torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        pass
 
 
 class Rank:
@@ -217,8 +224,7 @@ class Rank:
         if previous is not None:
             indexer.release_logits(target, previous)
             previous = None
-        if self.config.allocator == "cuda":
-            self.backend.close()  # synchronize: the time is the GPU's
+        self.backend.finish()
         after = self.backend.stats()
         self.requests += 1
         self.launches += launches
@@ -284,4 +290,4 @@ def rank_main(config: RankConfig, conn: Any) -> None:
                 rank.hook_handle.uninstall()
             except Exception:
                 pass
-        rank.backend.close() if config.allocator == "sim" else None
+        rank.backend.close()

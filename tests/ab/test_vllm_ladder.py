@@ -189,6 +189,10 @@ def test_two_arms_interrupted_twice_then_resumed(tmp_path, tiny_model, node_daem
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    check_complete_run(run_dir, ladder_path, done_mid)
+
+
+def check_complete_run(run_dir: Path, ladder_path: Path, done_mid: list) -> None:
     recs = records(run_dir)
     requests = [r for r in recs if r["event"] == "request"]
     keys = [(r["arm"], r["step"]) for r in requests]

@@ -42,7 +42,9 @@ class Scrape:
 class Daemon:
     """`python -m telemetry daemon` on a free loopback port; always stopped by the context manager."""
 
-    def __init__(self, state_dir: Path, *args: str, port: int | None = None, log_path: Path | None = None) -> None:
+    def __init__(self, state_dir: Path, *args: str, port: int | None = None, log_path: Path | None = None,
+                 prefix: tuple[str, ...] = ()) -> None:
+        self.prefix = prefix  # e.g. setpriv with a reduced capability set
         self.port = port or free_port()
         self.state_dir = state_dir
         self.args = args
@@ -52,7 +54,7 @@ class Daemon:
 
     def start(self, wait: bool = True) -> Daemon:
         self._log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "telemetry", "daemon", "--listen", f"127.0.0.1:{self.port}",
+        cmd = [*self.prefix, sys.executable, "-m", "telemetry", "daemon", "--listen", f"127.0.0.1:{self.port}",
                "--state-dir", str(self.state_dir), *self.args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
         if wait:

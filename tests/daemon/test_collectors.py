@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -148,12 +149,28 @@ def test_nvml_absent_is_reported_once_as_unavailable(caplog):
 
 
 # -- processes: a real child process named like vLLM's engine core -----------------------------------------
+def test_default_roles_match_vllm_process_titles():
+    def role_of(cmdline: str):
+        return next((r.role for r in DEFAULT_ROLES if r.cmdline.search(cmdline)), None)
+
+    assert role_of("/opt/venv/bin/python3 /opt/venv/bin/vllm serve meta-llama/Llama-3.1-8B --port 8000") == "api_server"
+    assert role_of("vllm serve /models/tiny") == "api_server"
+    assert role_of("python -m vllm.entrypoints.openai.api_server --model x") == "api_server"
+    assert role_of("VLLM::APIServer_0") == "api_server"
+    assert role_of("VLLM::EngineCore") == "engine_core" and role_of("VLLM::EngineCore_DP1") == "engine_core"
+    assert role_of("VLLM::Worker_TP0") == "worker" and role_of("VLLM::Worker") == "worker"
+    assert role_of("python train.py --vllm-serve-compat") is None and role_of("vim vllm_notes.txt") is None
+
+
 def test_processes_match_roles_by_command_line_and_are_bounded():
-    children = [subprocess.Popen(["bash", "-c", f'exec -a "VLLM::EngineCore" {sys.executable} -c '
+    # Real processes under a unique title (vLLM servers of other tests may run on this machine too).
+    title = f"VLLM::EngineCore-test-{uuid.uuid4().hex[:8]}"
+    role = RolePattern("engine_core", re.compile("^" + re.escape(title)))
+    children = [subprocess.Popen(["bash", "-c", f'exec -a "{title}" {sys.executable} -c '
                                                 "'import time; x = bytearray(30_000_000); time.sleep(30)'"])
                 for _ in range(3)]
     try:
-        collector = ProcessCollector(DEFAULT_ROLES, max_per_role=2)
+        collector = ProcessCollector((role, RolePattern("worker", re.compile(f"^{title}-none"))), max_per_role=2)
         deadline = time.monotonic() + 10
         while True:
             families = {m.name: m for m in collector.collect()}

@@ -79,15 +79,15 @@ def foreign_driver_lines(tap: KmsgTap, start: str, end: str, token: str) -> list
     return [msg for _, _, msg in between(tap.records, start, end) if token not in msg and _DRIVER_LINE.search(msg)]
 
 
-def run_round(daemon: KmsgDaemon, lines: list[str], between_writes=None):
+def run_round(daemon: KmsgDaemon, lines: list[str], between_writes=None, retry_sleep: float = 1.0, pace_every=100):
     """Write `lines` between two markers; retry the round if foreign driver lines interleave.
     Returns (scrape before, scrape after, tap) where tap holds every record from the first marker on."""
     for attempt in range(ROUNDS):
         if attempt:
-            time.sleep(1.0)  # past the burst window of the rejected round's lines
+            time.sleep(retry_sleep)  # past the burst window of the rejected round's lines
         with KmsgTap() as tap:
             before, start = daemon.sync()
-            write_kmsg(lines)
+            write_kmsg(lines, pace_every=pace_every)
             if between_writes:
                 between_writes()
             after, end = daemon.sync()
@@ -136,9 +136,9 @@ def test_each_counter_rises_by_exactly_the_lines_written_and_bursts_are_events(t
 def test_burst_of_1000_lines_counts_exactly_and_is_one_event(tmp_path):
     tok = f"memtel-b-{uuid.uuid4().hex[:12]}"
     lines = [NO_MEMORY.format(tok=f"{tok} #{i}") for i in range(1000)]
-    with KmsgDaemon(tmp_path / "state", tok, "--burst-window", "10") as daemon:
-        time.sleep(0.2)
-        before, after, tap, (start, end) = run_round(daemon, lines)
+    with KmsgDaemon(tmp_path / "state", tok, "--burst-window", "2") as daemon:
+        time.sleep(2.2)  # past the burst window of earlier NV_ERR_NO_MEMORY lines (other tests write them too)
+        before, after, tap, (start, end) = run_round(daemon, lines, retry_sleep=2.2, pace_every=50)
         seq_start, seq_end = tap.seq_of(start), tap.seq_of(end)
         got = deltas(before, after, KEYS)
         assert got[KEYS[0]] == 1000 and got[KEYS[1]] == 1

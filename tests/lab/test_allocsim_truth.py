@@ -1,0 +1,92 @@
+"""The simulator against real allocator statistics: every row of every op of every case, exactly.
+
+Truth files: tests/fixtures/allocator-truth/ (captured on an H200 with torch 2.11 by
+harness/lab/truth_capture.py and `memtel replay --record`) and the shared sample in
+../shared/data/allocator-truth/ next to the clone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.lab.allocsim.ops import first_mismatch, replay_ops
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures" / "allocator-truth"
+SHARED = REPO.parent / "shared" / "data" / "allocator-truth"
+
+
+def _truth_files() -> list[Path]:
+    files = sorted(FIXTURES.glob("*.json"))
+    if SHARED.is_dir():
+        files += sorted(SHARED.glob("*.json"))
+    return files
+
+
+def _cases():
+    for path in _truth_files():
+        doc = json.loads(path.read_text())
+        for name in doc["cases"]:
+            yield pytest.param(path, name, id=f"{path.stem}::{name}")
+
+
+_DOCS: dict[Path, dict] = {}
+
+
+def _doc(path: Path) -> dict:
+    if path not in _DOCS:
+        _DOCS[path] = json.loads(path.read_text())
+    return _DOCS[path]
+
+
+def test_fixtures_cover_every_config_the_issue_names():
+    configs = {_doc(p)["config"] for p in FIXTURES.glob("h200-*.json")}
+    for wanted in ("", "expandable_segments:True", "max_split_size_mb:256", "roundup_power2_divisions:4"):
+        assert wanted in configs
+    assert any("," in c for c in configs), "no combined config captured"
+
+
+def test_shared_sample_is_present():
+    assert SHARED.is_dir(), f"shared allocator truth not found at {SHARED}"
+    assert list(SHARED.glob("*.json"))
+
+
+@pytest.mark.parametrize("path, case", list(_cases()))
+def test_simulator_agrees_with_the_real_allocator(path: Path, case: str):
+    doc = _doc(path)
+    truth = doc["cases"][case]
+    got = replay_ops(truth["ops"], doc["config"], case=case)
+    mismatch = first_mismatch(truth["after"], got)
+    if mismatch is not None:
+        index, want, have = mismatch
+        pytest.fail(
+            f"{path.name} [{doc['config']!r}] case {case}: op {index} {truth['ops'][index]}: "
+            f"real [reserved, allocated, device_alloc, device_free] = {want}, simulator = {have}"
+        )
+
+
+def test_the_memory_fraction_capture_really_ran_out_of_memory():
+    # The fraction config exercises the OOM path (free cached, retry) and garbage collection.
+    from harness.lab.allocsim import CachingAllocatorSim
+
+    path = FIXTURES / "h200-torch2.11-per-process-memory-fraction-0.05-garbage-collection-threshold-0.6.json"
+    doc = _doc(path)
+    ooms = 0
+    for case in doc["cases"].values():
+        sim = CachingAllocatorSim(doc["config"])
+        live = {}
+        for op in case["ops"]:
+            if op[0] == "malloc":
+                try:
+                    live[op[1]] = sim.malloc(op[2])
+                except MemoryError:
+                    pass
+            elif op[0] == "free" and op[1] in live:
+                sim.free(live.pop(op[1]))
+            elif op[0] == "empty_cache":
+                sim.empty_cache()
+        ooms += sim.num_ooms
+    assert ooms > 0
