@@ -184,6 +184,7 @@ def main() -> int:
         result = {
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": machine(),
+            "load_average_1m_at_start": os.getloadavg()[0],  # the machine is shared: say how busy it was
             "node_exporter": (version.stdout or version.stderr).splitlines()[0],
             "command": "python benchmarks/daemon_bench.py " + " ".join(sys.argv[1:]),
             "scrape_latency": scrape_latency(urls, args.scrapes),

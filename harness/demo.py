@@ -13,7 +13,6 @@ it is. Every process it starts is stopped on the way out, also on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import socket
 import subprocess
@@ -273,8 +272,15 @@ def run_demo(shape: DemoShape, steps: list[tuple[int, str]], out: Path, overwrit
     daemon = Daemon(base, out / "daemon-state", out / "logs" / "daemon.log")
     ports = {arm: (base + 1 + i * (1 + shape.ranks), base + 2 + i * (1 + shape.ranks))
              for i, arm in enumerate(("stock", "fixed"))}
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # SIGTERM stops the demo as Ctrl-C does (the harness does the same while the ladder runs).
+    previous_sigterm = signal.signal(signal.SIGTERM, interrupt)
     print(f"memtel demo: {shape.allocator} allocator, scale {shape.scale:g}, {shape.ranks} ranks per server, "
           f"ladder {', '.join(f'{t:,}' for t, _ in steps)} tokens; run directory {out}", flush=True)
+    failure = None
     try:
         daemon.start()
         data = build_ladder(shape, steps, daemon.metrics_url, ports)
@@ -282,21 +288,43 @@ def run_demo(shape: DemoShape, steps: list[tuple[int, str]], out: Path, overwrit
 
         (out / "ladder.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
         ladder = Ladder.from_dict(data, source=str(out / "ladder.yaml"))
-        run_ladder(ladder, out, overwrite=overwrite)
+        results = run_ladder(ladder, out, overwrite=overwrite)
         report = write_report(out)
-        write_notes(out, report, shape, steps)
+        notes = write_notes(out, report, shape, steps)
     except KeyboardInterrupt:
-        print("\nmemtel demo: interrupted; every process it started has been stopped", file=sys.stderr)
-        return 130
+        failure = (130, "interrupted; every process it started has been stopped")
     except Exception as exc:  # a clear line, not a traceback, for the README's first command
-        print(f"memtel demo: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        failure = (1, f"failed: {type(exc).__name__}: {exc}")
     finally:
         daemon.stop()
+        signal.signal(signal.SIGTERM, previous_sigterm)
+    if failure is not None:
+        print(f"\nmemtel demo: {failure[1]}", file=sys.stderr)
+        return failure[0]
     # A new line first: the harness's status line may have left the cursor at its end.
     print(f"\nmemtel demo: done in {time.monotonic() - started:.0f} s. Report: {report}", flush=True)
-    return 0
+    status = 0
+    failed = _failed_requests(results)
+    if failed:
+        print(f"memtel demo: {failed}; see the report's \"Failed and skipped requests\"", file=sys.stderr)
+        status = 1
+    if not notes.get("prediction_agrees"):
+        print("memtel demo: warning: the ranks' allocator numbers differ from `memtel replay`'s prediction for the "
+              "same shapes; see the report's first table", file=sys.stderr)
+        status = 1 if shape.allocator == "sim" else status  # on sim they must agree; on CUDA it is a finding
+    return status
 
+
+def _failed_requests(results: Path) -> str | None:
+    from harness.ab.records import read_records
+
+    failed = stopped = 0
+    for record in read_records(results):
+        failed += record["event"] == "request" and not record.get("ok")
+        stopped += record["event"] in ("arm_stopped", "step_skipped")
+    if not failed and not stopped:
+        return None
+    return f"{failed} request(s) failed and {stopped} arm stop/skip record(s) were written"
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="memtel demo")

@@ -149,6 +149,11 @@ def build_notes(run_dir: Path, shape: Any, steps: list[tuple[int, str]]) -> tupl
             f"× that of the full-size workload; widths, token counts, chunk steps and launch counts are full size. "
             f"Times are the lab's cost model (calibrated to a 54 s cold 100k-token prefill on the user's pair of "
             f"Sparks) × {shape.time_scale:g}.")
+    elif _integrated_gpu(run):
+        lines.append(
+            "**Allocator: real CUDA on an integrated GPU.** The ranks make real CUDA allocations through "
+            "PyTorch's caching allocator and write the computed part of every launch; times are real. This GPU "
+            "reports itself as integrated: its memory is the host's, so host MemAvailable moves with cudaMalloc.")
     else:
         lines.append(
             "**Allocator: real CUDA.** The ranks make real CUDA allocations through PyTorch's caching allocator "
@@ -222,6 +227,19 @@ def build_notes(run_dir: Path, shape: Any, steps: list[tuple[int, str]]) -> tupl
               "of the run, and not at all in later requests.", ""]
     lines.append(_table(["arm", "step", "predicted growth at chunk steps", "measured (hook log)",
                          "predicted growth (MiB)", "measured (MiB)"], chunk_rows))
+    first_label = labels[0]
+    per_step_rows = []
+    for arm in run.arms:
+        step = next(s for s in summary["arms"][arm]["steps"] if s["label"] == first_label)
+        growth = step["measured_chunk_step_growth_bytes_first_rank"]
+        if growth:
+            per_step_rows.append([arm] + [f"{g / MIB:+,.0f}" if g else "0" for g in growth])
+    if per_step_rows:
+        width_cells = max(len(r) for r in per_step_rows) - 1
+        per_step_rows = [r + [""] * (width_cells + 1 - len(r)) for r in per_step_rows]
+        lines += ["", f"Reserved growth of the first rank at each chunk step of the first request ({first_label}), "
+                      "MiB, from the hook's per-call log:", ""]
+        lines.append(_table(["arm"] + [str(i + 1) for i in range(width_cells)], per_step_rows))
     if host_rows:
         if shape.allocator == "sim":
             from harness.lab.unified_memory import read_percpu_pagesets
@@ -246,6 +264,17 @@ def build_notes(run_dir: Path, shape: Any, steps: list[tuple[int, str]]) -> tupl
                             host_rows))
     lines.append("")
     return "\n".join(lines), summary
+
+
+def _integrated_gpu(run: Any) -> bool:
+    """Whether the lab ranks said (in the server's /version, recorded by the harness) their GPU is integrated."""
+    for info in run.servers.values():
+        version = info.get("version") if isinstance(info, dict) else None
+        lab = version.get("lab") if isinstance(version, dict) else None
+        for rank in (lab or {}).get("ranks_info") or []:
+            if rank.get("integrated"):
+                return True
+    return False
 
 
 def _rank_counter_after(run: Any, arm: str, step: str) -> dict:

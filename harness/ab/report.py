@@ -39,6 +39,7 @@ class _Run:
     run_end: str | None = None
     environment: dict = field(default_factory=dict)
     servers: dict = field(default_factory=dict)         # arm -> server_info
+    run_dir: Path = Path(".")
 
 
 def load_run(run_dir: Path) -> _Run:
@@ -55,7 +56,8 @@ def load_run(run_dir: Path) -> _Run:
     for arm in ladder["arms"]:
         all_ranks.update(arm.get("ranks") or {})
     run = _Run(ladder=ladder, arms=arms, steps=[s["label"] for s in ladder["steps"]], repeats=ladder["repeats"],
-               nodes=list(ladder.get("nodes") or {}), ranks=list(all_ranks), environment=starts[0]["environment"])
+               nodes=list(ladder.get("nodes") or {}), ranks=list(all_ranks), environment=starts[0]["environment"],
+               run_dir=Path(run_dir))
     for arm in ladder["arms"]:
         if arm.get("hook_log_dir"):
             for r in range(run.repeats):
@@ -149,7 +151,8 @@ def load_hook_calls(run: _Run, arm: str, repeat: int) -> dict[int, list[dict]]:
     """rank -> calls sorted by time, from every per-call log file of this block's hook directories."""
     calls: dict[int, list[dict]] = defaultdict(list)
     for directory in run.hook_dirs.get((arm, repeat), ()):
-        for path in sorted(Path(directory).glob("memtel-calls-rank*-pid*.jsonl")):
+        directory = Path(directory) if Path(directory).is_absolute() else run.run_dir / directory
+        for path in sorted(directory.glob("memtel-calls-rank*-pid*.jsonl")):
             for line in path.read_text(errors="replace").splitlines():
                 try:
                     record = json.loads(line)
@@ -245,7 +248,7 @@ def write_report(run_dir: str | Path) -> Path:
     rows, location_rows = [], []
     for rank in run.ranks:
         for arm in run.arms:
-            growth, allocs, events = [], [], []
+            growth, allocs, events, calls = [], [], [], []
             for r in range(run.repeats):
                 ms = [metrics.get((arm, r, s)) for s in run.steps]
                 ms = [m for m in ms if m is not None]
@@ -257,10 +260,13 @@ def write_report(run_dir: str | Path) -> Path:
                 allocs.append(sum(x for x in a if x is not None) if any(x is not None for x in a) else None)
                 e = [m["ranks"][rank]["growth_events"] for m in ms]
                 events.append(sum(x for x in e if x is not None) if any(x is not None for x in e) else None)
+                c = [m["ranks"][rank]["hook_calls"] for m in ms]
+                calls.append(sum(x for x in c if x is not None) if any(x is not None for x in c) else None)
             per_step = [_fmt(values(arm, s, lambda m, s=s: m["ranks"][rank]["reserved_growth_bytes"]), MIB, sign=True)
                         for s in run.steps]
-            rows.append([rank, arm, _fmt(growth, MIB, sign=True), _fmt(allocs, digits=0), _fmt(events, digits=0), *per_step])
-    table1 = _table(["rank", "arm", "reserved growth (MiB)", "cudaMallocs", "growth events",
+            rows.append([rank, arm, _fmt(growth, MIB, sign=True), _fmt(allocs, digits=0), _fmt(events, digits=0),
+                         _fmt(calls, digits=0), *per_step])
+    table1 = _table(["rank", "arm", "reserved growth (MiB)", "cudaMallocs", "growth events", "hooked calls",
                      *[f"{s} (MiB)" for s in run.steps]], rows) if rows else "_No ranks configured._"
     for arm in run.arms:
         for r in range(run.repeats):
@@ -435,7 +441,16 @@ def _plots(run: _Run, run_dir: Path, metrics: dict, hook: dict) -> list[Path]:
                     continue
                 points.sort()
                 t0 = points[0][0]
-                ax.plot([p[0] - t0 for p in points], [p[1] / 2**30 for p in points], color=color,
+                # A resumed block had a fresh serve: break the line where each serve's baseline starts.
+                breaks = [sc["ts"] for sc in run.scrapes[(arm, r)] if sc["phase"] == "baseline"][1:]
+                xs, ys = [], []
+                for ts, value in points:
+                    while breaks and ts >= breaks[0]:
+                        xs.append(breaks.pop(0) - t0)
+                        ys.append(float("nan"))
+                    xs.append(ts - t0)
+                    ys.append(value / 2**30)
+                ax.plot(xs, ys, color=color,
                         alpha=1.0 if r == 0 else 0.5, label=f"{arm} r{r}")
                 for s in run.steps:
                     m = metrics.get((arm, r, s))

@@ -219,11 +219,18 @@ class _Run:
         server.start()
         self.server = server
         self.writer.write("serve_start", arm=arm.name, repeat=repeat, command=list(spec.command), env=spec.env,
-                          cwd=spec.cwd, pid=server.pid, pgid=server.pid, log=str(log_path.relative_to(self.out_dir))
-                          if log_path.is_relative_to(self.out_dir) else str(log_path), hook_log_dir=hook_log_dir)
+                          cwd=spec.cwd, pid=server.pid, pgid=server.pid, log=self.relative(log_path),
+                          hook_log_dir=self.relative(Path(hook_log_dir)) if hook_log_dir else None)
         seconds = server.wait_healthy()
         self.writer.write("serve_ready", arm=arm.name, repeat=repeat, pgid=server.pid, startup_s=seconds)
         self.log(f"[{arm.name} r{repeat}] server ready in {seconds:.1f} s (pid {server.pid})")
+
+    def relative(self, path: Path) -> str:
+        """Paths inside the run directory are recorded relative to it, so the directory can move."""
+        try:
+            return str(path.resolve().relative_to(self.out_dir.resolve()))
+        except ValueError:
+            return str(path)
 
     def stop_server(self) -> None:
         server, self.server = self.server, None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,8 +47,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"memtel allocsim: {exc}", file=sys.stderr)
         return 2
     if not args.check:
-        json.dump({"cases": {name: {"after": rows} for name, rows in results.items()}}, sys.stdout, separators=(",", ":"))
-        sys.stdout.write("\n")
+        try:
+            json.dump({"cases": {name: {"after": rows} for name, rows in results.items()}}, sys.stdout, separators=(",", ":"))
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        except BrokenPipeError:  # `memtel allocsim f.json | head`: the reader left, nothing is wrong
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep the interpreter's final flush quiet
         return 0
     failed = 0
     for name, rows in results.items():

@@ -141,8 +141,10 @@ class CudaBackend:
                 "num_ooms": stats.get("num_ooms", 0)}
 
     def describe(self) -> dict:
-        return {"allocator": "cuda", "device": str(self.device),
-                "device_name": self.torch.cuda.get_device_name(self.device)}
+        properties = self.torch.cuda.get_device_properties(self.device)
+        # An integrated GPU (Jetson, GB10-class) takes its memory from the host: MemAvailable moves.
+        return {"allocator": "cuda", "device": str(self.device), "device_name": properties.name,
+                "integrated": bool(getattr(properties, "is_integrated", False))}
 
     def host_backed_bytes(self) -> None:
         return None

@@ -76,7 +76,7 @@ class DaemonConfig:
 # -- value checks -------------------------------------------------------------------------------------
 def parse_listen(text: str, where: str = "--listen") -> tuple[str, int]:
     host, sep, port_text = str(text).rpartition(":")
-    if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
         raise ConfigError(f"{where}: {text!r} is not HOST:PORT (expected e.g. 0.0.0.0:9101 or 127.0.0.1:9101)")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port_text)

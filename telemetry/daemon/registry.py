@@ -45,7 +45,9 @@ class DaemonCollectors:
         self.last_success: dict[str, bool] = {}
         self._failures: dict[str, int] = {name: 0 for name in collectors}
         self._last_error: dict[str, str] = {}
-        self._lock = threading.Lock()  # scrapes may overlap (one thread per connection)
+        self._lock = threading.Lock()  # guards the counters below
+        # Scrapes may overlap (one thread per connection); collectors keep small caches, so one at a time.
+        self._collect_lock = threading.Lock()
 
     def describe(self) -> list[Metric]:
         return []  # families vary per scrape; an empty describe keeps registration from collecting
@@ -63,14 +65,17 @@ class DaemonCollectors:
         failures = CounterMetricFamily(
             "memtel_collector_failures", "Failed collections since the daemon started.", labels=["collector"]
         )
-        for name, collector in self.collectors.items():
-            started = time.perf_counter()
-            ok, families = self._run_one(name, collector)
-            elapsed = time.perf_counter() - started
-            yield from families
-            success.add_metric([name], 1.0 if ok else 0.0)
-            duration.add_metric([name], elapsed)
-            failures.add_metric([name], self._failures[name])
+        collected: list[Metric] = []
+        with self._collect_lock:
+            for name, collector in self.collectors.items():
+                started = time.perf_counter()
+                ok, families = self._run_one(name, collector)
+                elapsed = time.perf_counter() - started
+                collected.extend(families)
+                success.add_metric([name], 1.0 if ok else 0.0)
+                duration.add_metric([name], elapsed)
+                failures.add_metric([name], self._failures[name])
+        yield from collected
         yield success
         yield duration
         yield failures

@@ -122,7 +122,7 @@ class Recorder:
                 self._start()
             if self.jsonl is not None:
                 stage = "jsonl"
-                device = getattr(reader, "device", None) if values is not None else "cpu"
+                device = reader.device if values is not None else "cpu"
                 self.jsonl.push((ts, index, site, device, values, available, swap_free, shape))
         except Exception:
             self.stats.count_error(site, stage)

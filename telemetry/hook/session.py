@@ -200,7 +200,17 @@ class HookSession:
 
     # first record of this process: flush the log on SIGTERM too (only where something records)
     def _first_record(self) -> None:
-        if self.recorder.jsonl is None or threading.current_thread() is not threading.main_thread():
+        if self.recorder.jsonl is None:
+            return
+        # A multiprocessing child (vLLM's workers) ends with os._exit: atexit never runs there, the
+        # multiprocessing finalizers do. Only if the process uses multiprocessing already.
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None:
+            try:
+                mp_util.Finalize(None, self.flush, exitpriority=0)
+            except Exception:
+                pass
+        if threading.current_thread() is not threading.main_thread():
             return
         try:
             self._previous_sigterm = signal.getsignal(signal.SIGTERM)

@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import socket
 import time
 from pathlib import Path
@@ -137,3 +138,18 @@ def test_kmsg_needs_cap_syslog_and_only_that(tmp_path):
         for name in ("meminfo", "vmstat", "processes", "kmsg"):
             assert scrape.value("memtel_collector_success", collector=name) == 1, name
         assert scrape.value("memtel_kernel_kmsg_records_total") > 0
+
+
+def test_unusable_state_dir_and_sigint(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    result = run_cli("--listen", "127.0.0.1:0", "--state-dir", str(not_a_dir / "state"))
+    assert result.returncode == 2 and f"cannot create the state directory {not_a_dir / 'state'}" in result.stderr
+
+    daemon = Daemon(tmp_path / "state", "--kmsg", str(not_a_dir)).start()
+    try:
+        daemon.proc.send_signal(signal.SIGINT)
+        assert daemon.proc.wait(10) == 0
+    finally:
+        daemon.stop()
+    assert "stopping (SIGINT)" in daemon.log() and "stopped" in daemon.log()

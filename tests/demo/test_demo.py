@@ -181,6 +181,19 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert _leftovers(out) == []
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--steps", "10,20"], "expected token counts of at least 64"),
+    (["--steps", "100000,300000"], "steps of [300000] tokens do not fit --max-model-len 204800"),
+    (["--scale", "0"], "expected a number in (0, 1], got 0.0"),
+    (["--allocator", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_bad_demo_arguments_fail_before_anything_starts(tmp_path, args, expected):
+    result = _demo(tmp_path / "bad", *args, timeout=60)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.gpu
 def test_demo_on_cuda_uses_real_allocations(tmp_path):
     out = tmp_path / "cuda"

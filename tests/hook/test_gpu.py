@@ -76,8 +76,9 @@ def test_per_call_values_equal_memory_stats_at_the_same_point(torch_cuda, make_m
     handle = telemetry.install([site], port=None, registry=registry, log_dir=tmp_path)
     truths = []
     for step, (rows, cols) in enumerate([(512, 4096), (512, 8192), (16, 16), (512, 65536), (2048, 65536)]):
-        module.logits(rows, cols, keep=step % 2 == 0)
-        stats = torch.cuda.memory_stats()  # the same point: nothing allocates in between
+        out = module.logits(rows, cols, keep=step % 2 == 0)  # held: the hook read while it was alive
+        stats = torch.cuda.memory_stats()  # the same point: nothing allocates or frees in between
+        del out
         truth = {field: stats[key] for field, key in STAT_KEYS.items()}
         truths.append(truth)
         for field, metric in (("reserved_bytes", "memtel_allocator_reserved_bytes"),

@@ -232,3 +232,23 @@ def test_hook_never_imports_torch_into_a_process_without_it(tmp_path):
     assert result["torch"] is False
     record = json.loads(result["log"])
     assert record["device"] == "cpu" and "reserved_bytes" not in record and record["mem_available_bytes"] > 0
+
+
+def test_a_reserved_decrease_is_observed_as_zero_growth(make_module):
+    name = make_module(SOURCE)
+    module = importlib.import_module(name)
+    site = f"{name}:identity"
+    fake = FakeAllocator()
+    fake.grow(64 << 20)
+    set_allocator_source(fake)
+    registry = CollectorRegistry()
+    telemetry.install([site], port=None, registry=registry)
+    fake.values["reserved_bytes"] = 0  # empty_cache between calls
+    fake.values["num_device_free"] = 1
+    module.identity(1)
+    get = lambda metric, **kw: registry.get_sample_value(metric, labels(site, **kw))  # noqa: E731
+    assert get("memtel_hook_reserved_delta_bytes_bucket", le="0.0") == 1
+    assert get("memtel_hook_reserved_delta_bytes_sum") == 0
+    assert get("memtel_hook_growth_events_total") == 0
+    assert get("memtel_allocator_device_free_total") == 1
+    assert get("memtel_allocator_reserved_bytes") == 0

@@ -193,3 +193,25 @@ def test_a_taken_exporter_port_is_counted_and_the_log_still_works(make_module, t
         assert handle.exporter_port is None
     finally:
         blocker.close()
+
+
+def test_every_record_reaches_the_log_in_a_multiprocessing_child(tmp_path):
+    # multiprocessing children leave through os._exit: atexit does not run there.
+    (tmp_path / "mp_mod.py").write_text("def f(x):\n    return x\n")
+    code = (
+        "import multiprocessing, sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "def child():\n"
+        "    import telemetry, mp_mod\n"
+        f"    telemetry.install(['mp_mod:f'], port=None, log_dir={str(tmp_path)!r}, flush_interval_s=3600,\n"
+        "                      flush_records=10**9)\n"
+        "    for i in range(777):\n"
+        "        mp_mod.f(i)\n"
+        "if __name__ == '__main__':\n"
+        "    p = multiprocessing.get_context('fork').Process(target=child)\n"
+        "    p.start(); p.join(); sys.exit(p.exitcode)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    (log,) = tmp_path.glob("memtel-calls-*.jsonl")
+    assert len(log.read_text().splitlines()) == 777

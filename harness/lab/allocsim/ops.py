@@ -52,14 +52,42 @@ def _check_op(case: str, index: int, op: Any) -> tuple[str, int, int]:
     raise OpFileError(f"{_where(case, index)}: unknown op {name!r} (expected one of {', '.join(OP_NAMES)})")
 
 
+class RecordedAddresses:
+    """cudaMalloc addresses taken from a real run: the data pointer each malloc op returned.
+
+    A new segment's first block starts at the segment's base, so the pointer of the malloc that
+    created a segment is that segment's address. `truth_capture --addresses` records them.
+    """
+
+    def __init__(self, pointers: list[int]) -> None:
+        self._pointers = pointers
+        self.current = 0  # index of the malloc being replayed
+
+    def alloc(self, size: int) -> int:
+        return self._pointers[self.current]
+
+    def release(self, addr: int, size: int) -> None:
+        pass
+
+
 def replay_ops(
-    ops: list[Any], config: str = "", *, capacity_bytes: int | None = None, case: str = "ops"
+    ops: list[Any],
+    config: str = "",
+    *,
+    capacity_bytes: int | None = None,
+    case: str = "ops",
+    addresses: list[int] | None = None,
 ) -> list[Row]:
-    """Run `ops` on a fresh simulator; one `[reserved, allocated, device_alloc, device_free]` row per op."""
+    """Run `ops` on a fresh simulator; one `[reserved, allocated, device_alloc, device_free]` row per op.
+
+    `addresses`: the device pointer each malloc returned in a real run (see RecordedAddresses).
+    """
     if not isinstance(ops, list):
         raise OpFileError(f"{_where(case)}: 'ops' must be a list, got {type(ops).__name__}")
+    recorded = RecordedAddresses(addresses) if addresses is not None else None
+    mallocs = 0
     try:
-        sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes)
+        sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes, address_space=recorded)
     except AllocatorConfigError as exc:
         raise OpFileError(f"{_where(case)}: {exc}") from None
     live: dict[int, int] = {}
@@ -72,6 +100,9 @@ def replay_ops(
             if ident in live:
                 raise OpFileError(f"{_where(case, index)}: malloc of id {ident}, which is still live (not freed)")
             failed.discard(ident)
+            if recorded is not None:
+                recorded.current = mallocs
+            mallocs += 1
             try:
                 live[ident] = sim.malloc(size)
             except SimulatedOutOfMemoryError:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Callable
+from typing import Any
 
 from .config import SIZE_MAX, AllocatorConfig, parse_alloc_conf
 
@@ -153,6 +154,7 @@ class CachingAllocatorSim:
     `on_segment_map(segment_id, nbytes)` / `on_segment_unmap(segment_id, nbytes)` are called when
     device memory is mapped (cudaMalloc, or one page of an expandable segment) and released; ids
     are unique for the life of the simulator.
+    `address_space` replaces the model of the driver's cudaMalloc addresses (see _AddressSpace).
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class CachingAllocatorSim:
         capacity_bytes: int | None = None,
         on_segment_map: SegmentCallback | None = None,
         on_segment_unmap: SegmentCallback | None = None,
+        address_space: Any = None,
     ) -> None:
         self.config = config if isinstance(config, AllocatorConfig) else parse_alloc_conf(config)
         if capacity_bytes is not None and capacity_bytes < 0:
@@ -182,7 +185,9 @@ class CachingAllocatorSim:
         self._live: dict[int, _Block | None] = {}
         self._next_handle = 1
         self._next_segment = 1
-        self._va = _AddressSpace()
+        # Anything with alloc(size) -> address and release(address, size); tests pass the addresses
+        # a real run recorded, to separate the driver's address choices from the allocator's rules.
+        self._va = address_space if address_space is not None else _AddressSpace()
         self._es_next_base = 0x2000_0000_0000_0000
         self.reserved_bytes = 0
         self.allocated_bytes = 0

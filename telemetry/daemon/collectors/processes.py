@@ -1,9 +1,10 @@
 """processes collector: resident memory of the serving processes (vLLM by default), by role, via psutil.
 
-Bounded work per scrape: a process's command line is read when it is first seen and again only
-while it is young (`recheck_seconds`), because vLLM renames its engine and worker processes
-(setproctitle "VLLM::EngineCore", "VLLM::Worker_TP0") a few seconds after they start. Afterwards
-only matched processes cost a read (their RSS). Bounded series: at most `max_per_role` per role.
+Bounded work per scrape: a process's command line is read when it is first seen and re-read, with
+growing gaps (1, 2, 4, ... s), only during its first `recheck_seconds`, because vLLM renames its engine
+and worker processes (setproctitle "VLLM::EngineCore", "VLLM::Worker_TP0") a few seconds after they
+start. Afterwards only matched processes cost a read (their RSS). Bounded series: at most
+`max_per_role` per role.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class _Seen:
     first_seen: float
     role: str | None
     process: psutil.Process | None
+    next_check: float = 0.0
+    gap: float = 1.0
 
 
 class ProcessCollector:
@@ -49,13 +52,17 @@ class ProcessCollector:
 
     def _match(self, pid: int) -> tuple[str | None, psutil.Process | None]:
         try:
-            process = psutil.Process(pid)
-            command = " ".join(process.cmdline())
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            # Read directly: psutil.Process() also reads /proc/<pid>/stat, doubling the cost per process.
+            with open(f"{psutil.PROCFS_PATH}/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        except OSError:
             return None, None
         for pattern in self.roles:
             if command and pattern.cmdline.search(command):
-                return pattern.role, process
+                try:
+                    return pattern.role, psutil.Process(pid)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    return None, None
         return None, None
 
     def collect(self) -> list[Metric]:
@@ -68,10 +75,13 @@ class ProcessCollector:
         by_role: dict[str, list[tuple[int, int]]] = {pattern.role: [] for pattern in self.roles}
         for pid in pids:
             seen = self._seen.get(pid)
-            if seen is None or (seen.role is None and now - seen.first_seen < self.recheck_seconds):
+            if seen is None:
                 role, process = self._match(pid)
-                seen = _Seen(seen.first_seen if seen else now, role, process)
-                self._seen[pid] = seen
+                seen = self._seen[pid] = _Seen(now, role, process, next_check=now + 1.0)
+            elif seen.role is None and now >= seen.next_check and now - seen.first_seen < self.recheck_seconds:
+                seen.role, seen.process = self._match(pid)
+                seen.gap *= 2
+                seen.next_check = now + seen.gap
             if seen.role is None or seen.process is None:
                 continue
             try:

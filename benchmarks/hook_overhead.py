@@ -1,0 +1,190 @@
+"""Per-call overhead of the allocator hook (a benchmark, not a test; results go in BENCHMARKS.md).
+
+Side by side, interleaved in one run (so a noisy neighbour hits every variant alike):
+  bare      a no-op function
+  hooked    the same no-op through telemetry.install, Prometheus exporter and JSONL log on
+  floor     what any hook must do: the nested allocator binding + a kept-fd /proc/meminfo read
+  naive     memory_reserved() + memory_stats()["num_device_alloc"] + psutil.virtual_memory()
+plus each part alone. Overhead = hooked - bare. Targets (H200): median overhead <= 1.3 x floor and
+>= 8 x faster than naive. Without CUDA the allocator parts are absent and the figures are the host
+part only. Also: the overhead of a 100k-token prefill's calls (45 layers x 22 chunk steps x 4
+launches) as a share of a 54 s TTFT.
+
+    PYTHONPATH=. python3 benchmarks/hook_overhead.py [--json out.json] [--rounds 40] [--calls 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PREFILL_CALLS = 45 * 22 * 4   # layers x chunk steps x logits launches of a 100k-token prefill
+PREFILL_TTFT_S = 54.0
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def per_call_us(fn, calls: int, finish=None) -> float:
+    clock = time.perf_counter_ns
+    start = clock()
+    for _ in range(calls):
+        fn()
+    if finish is not None:  # the hooked batch includes writing its records: the writer's cost is the hook's
+        finish()
+    return (clock() - start) / calls / 1000.0
+
+
+def summary(values: list[float]) -> dict:
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"median_us": statistics.median(ordered), "p10_us": pick(0.10), "p90_us": pick(0.90),
+            "min_us": ordered[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--calls", type=int, default=2000, help="calls per variant per round")
+    args = parser.parse_args(argv)
+
+    import psutil
+    import torch
+
+    import telemetry
+    from telemetry.procfs.meminfo import MeminfoReader
+    from tests.support.ports import free_port
+
+    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
+            "torch": torch.__version__, "cpu": cpu_model(), "cpus": os.cpu_count(), "rounds": args.rounds,
+            "calls_per_round": args.calls}
+    binding = getattr(torch._C, "_cuda_memoryStats", None)
+    cuda = torch.cuda.is_available() and binding is not None
+    if cuda:
+        try:  # what the binding does before CUDA is initialized (the hook treats it as "absent")
+            binding(0)
+            info["binding_before_init"] = "returned"
+        except RuntimeError as error:
+            info["binding_before_init"] = f"RuntimeError: {str(error).splitlines()[0]}"
+        torch.cuda.init()
+        device = torch.cuda.current_device()
+        info["device"] = torch.cuda.get_device_name(device)
+        keep = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (1, 3, 30, 300)]  # noqa: F841
+    else:
+        info["device"] = "none (CPU only: allocator parts absent)"
+
+    module = types.ModuleType("memtel_bench_target")
+    exec("def noop():\n    return None\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    bare = module.noop
+    log_dir = tempfile.mkdtemp(prefix="memtel-bench-")
+    handle = telemetry.install([f"{module.__name__}:noop"], port=free_port(), addr="127.0.0.1", log_dir=log_dir)
+    hooked = module.noop
+    hooked()  # first call: rank, exporter start, log file; not timed
+    assert handle.exporter_port is not None, "exporter did not start"
+
+    reader = MeminfoReader()
+    reader.read_text()
+    if cuda:
+        def binding_read():
+            binding(device)
+
+        def floor():
+            binding(device)
+            reader.read_text()
+
+        def naive():
+            torch.cuda.memory_reserved()
+            torch.cuda.memory_stats()["num_device_alloc"]
+            psutil.virtual_memory()
+    else:
+        binding_read = None
+
+        def floor():
+            reader.read_text()
+
+        def naive():
+            psutil.virtual_memory()
+
+    variants = {"bare": bare, "hooked": hooked, "floor": floor, "naive": naive,
+                "meminfo_kept_fd": reader.read_text, "meminfo_open_read": lambda: Path("/proc/meminfo").read_bytes(),
+                "psutil_virtual_memory": psutil.virtual_memory}
+    if cuda:
+        variants.update({"binding": binding_read, "memory_stats": torch.cuda.memory_stats,
+                         "memory_reserved": torch.cuda.memory_reserved})
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    overheads: list[float] = []
+    finish = {"hooked": handle.flush}
+    for name, fn in variants.items():  # warm-up
+        per_call_us(fn, min(200, args.calls), finish.get(name))
+    for _ in range(args.rounds):
+        round_values = {}
+        for name, fn in variants.items():
+            round_values[name] = per_call_us(fn, args.calls, finish.get(name))
+            samples[name].append(round_values[name])
+        overheads.append(round_values["hooked"] - round_values["bare"])
+
+    results = {name: summary(values) for name, values in samples.items()}
+    results["hook_overhead"] = summary(overheads)
+    overhead = results["hook_overhead"]["median_us"]
+    floor_us = results["floor"]["median_us"]
+    naive_us = results["naive"]["median_us"]
+    handle.flush()
+    logged = len(Path(handle.log_path).read_text().splitlines())
+    total_calls = 1 + args.rounds * args.calls + min(200, args.calls)
+    verdict = {
+        "overhead_over_floor": overhead / floor_us,
+        "naive_over_overhead": naive_us / overhead,
+        "target_overhead_le_1_3_floor": overhead <= 1.3 * floor_us,
+        "target_8x_faster_than_naive": naive_us >= 8 * overhead,
+        "prefill_100k_calls": PREFILL_CALLS,
+        "prefill_100k_overhead_ms": PREFILL_CALLS * overhead / 1000.0,
+        "prefill_100k_share_of_54s_ttft": PREFILL_CALLS * overhead / 1e6 / PREFILL_TTFT_S,
+        "jsonl_records": logged, "hooked_calls": total_calls,
+        "jsonl_dropped": handle.stats.dropped_records(),
+        "hook_errors": sum(handle.stats.errors.values()),
+    }
+    handle.uninstall()
+    report = {"info": info, "results_us": results, "verdict": verdict}
+
+    width = max(len(n) for n in results)
+    print(f"hook overhead benchmark - {info['date']} - {info['device']} - cpu {info['cpu']} - torch {info['torch']}")
+    if "binding_before_init" in info:
+        print(f"  torch._C._cuda_memoryStats before CUDA init: {info['binding_before_init']}")
+    print(f"  {'variant':<{width}}  median_us  p10_us  p90_us")
+    for name, s in results.items():
+        print(f"  {name:<{width}}  {s['median_us']:9.2f}  {s['p10_us']:6.2f}  {s['p90_us']:6.2f}")
+    print(f"  overhead / floor = {verdict['overhead_over_floor']:.2f} (target <= 1.3: "
+          f"{'met' if verdict['target_overhead_le_1_3_floor'] else 'NOT met'})")
+    print(f"  naive / overhead = {verdict['naive_over_overhead']:.1f}x (target >= 8x: "
+          f"{'met' if verdict['target_8x_faster_than_naive'] else 'NOT met'})")
+    print(f"  100k-token prefill: {PREFILL_CALLS} calls x {overhead:.2f} us = "
+          f"{verdict['prefill_100k_overhead_ms']:.1f} ms = {100 * verdict['prefill_100k_share_of_54s_ttft']:.3f}% "
+          f"of a {PREFILL_TTFT_S:.0f} s TTFT")
+    print(f"  JSONL: {logged} records for {total_calls} hooked calls, {verdict['jsonl_dropped']} dropped; "
+          f"hook errors: {verdict['hook_errors']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
