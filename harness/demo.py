@@ -290,7 +290,10 @@ def run_demo(shape: DemoShape, steps: list[tuple[int, str]], out: Path, overwrit
         ladder = Ladder.from_dict(data, source=str(out / "ladder.yaml"))
         results = run_ladder(ladder, out, overwrite=overwrite)
         report = write_report(out)
-        notes = write_notes(out, report, shape, steps)
+        try:
+            notes = write_notes(out, report, shape, steps)
+        except Exception as exc:  # the harness's report stands without the demo's section
+            notes = {"error": f"{type(exc).__name__}: {exc}"}
     except KeyboardInterrupt:
         failure = (130, "interrupted; every process it started has been stopped")
     except Exception as exc:  # a clear line, not a traceback, for the README's first command
@@ -303,12 +306,23 @@ def run_demo(shape: DemoShape, steps: list[tuple[int, str]], out: Path, overwrit
         return failure[0]
     # A new line first: the harness's status line may have left the cursor at its end.
     print(f"\nmemtel demo: done in {time.monotonic() - started:.0f} s. Report: {report}", flush=True)
+    for arm, data in (notes.get("arms") or {}).items():
+        last = data["steps"][-1] if data.get("steps") else None
+        if last:
+            reserved = [v for v in last["measured_reserved_after_bytes"].values() if v is not None]
+            allocs = [v for v in last["measured_device_allocs_after"].values() if v is not None]
+            if reserved and allocs:
+                print(f"  {arm}: reserved +{max(reserved) / (1 << 20):,.0f} MiB per rank over the ladder, "
+                      f"{int(max(allocs))} cudaMallocs", flush=True)
     status = 0
     failed = _failed_requests(results)
     if failed:
         print(f"memtel demo: {failed}; see the report's \"Failed and skipped requests\"", file=sys.stderr)
         status = 1
-    if not notes.get("prediction_agrees"):
+    if "error" in notes:
+        print(f"memtel demo: the demo's own report section could not be written: {notes['error']}", file=sys.stderr)
+        status = 1
+    elif not notes.get("prediction_agrees"):
         print("memtel demo: warning: the ranks' allocator numbers differ from `memtel replay`'s prediction for the "
               "same shapes; see the report's first table", file=sys.stderr)
         status = 1 if shape.allocator == "sim" else status  # on sim they must agree; on CUDA it is a finding

@@ -49,6 +49,9 @@ class RequestSettings:
     needle_depth: float = 0.5
     # Extra JSON fields sent with every request (e.g. {ignore_eos: true} for vLLM).
     extra_body: dict = field(default_factory=dict)
+    # Filler vocabulary: a words file or a tokenizer.json (relative to the ladder file). Needed when the
+    # model's tokenizer maps English words to one unknown token, or every prompt would be the same.
+    words_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,11 +124,22 @@ def load_ladder(path: str | Path) -> Ladder:
     except yaml.YAMLError as exc:
         raise LadderError(f"{path}: not valid YAML: {exc}") from None
     ladder = Ladder.from_dict(data, source=str(path))
-    return _resolve_cwds(ladder, path.parent)
+    return _resolve_paths(ladder, path.parent)
 
 
-def _resolve_cwds(ladder: Ladder, base: Path) -> Ladder:
-    """A relative serve.cwd is relative to the ladder file, so profiles work from any directory."""
+def _resolve_paths(ladder: Ladder, base: Path) -> Ladder:
+    """Relative serve.cwd and words_file are relative to the ladder file, so profiles work from anywhere."""
+    words_file = ladder.request.words_file
+    if words_file and not Path(words_file).is_absolute():
+        words_file = str((base / words_file).resolve())
+        ladder = dataclasses.replace(ladder, request=dataclasses.replace(ladder.request, words_file=words_file))
+    if words_file:
+        from harness.ab.prompts import PromptError, load_words
+
+        try:
+            load_words(words_file)
+        except (OSError, ValueError, PromptError) as exc:
+            raise LadderError(f"{ladder.source}: request.words_file: {exc}") from None
     arms = []
     for arm in ladder.arms:
         if arm.serve is not None and arm.serve.cwd and not Path(arm.serve.cwd).is_absolute():
@@ -233,6 +247,8 @@ class _Parser:
             out["check_answer"] = self.boolean(data["check_answer"], _join(path, "check_answer"))
         if "needle_depth" in data:
             out["needle_depth"] = self.number(data["needle_depth"], _join(path, "needle_depth"), 0.0, 1.0)
+        if data.get("words_file") is not None:
+            out["words_file"] = self.string(data["words_file"], _join(path, "words_file"))
         if "extra_body" in data:
             if not isinstance(data["extra_body"], dict):
                 raise self.fail(_join(path, "extra_body"), f"expected a mapping, got {_kind(data['extra_body'])}")

@@ -14,15 +14,17 @@ small remainder is filled with one-token pad words. That takes 2-3 calls of the 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 import re
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Sequence
 
 # Common English words: real tokenizers give each one or two tokens, which keeps the
 # tokens-per-word ratio stable and the needle retrievable by a real model.
-WORDS = (
+WORDS: tuple[str, ...] = tuple(
     "the river city morning light stone garden window market winter summer evening house road field "
     "bridge village forest mountain valley harbor island castle tower library school teacher student "
     "doctor farmer baker painter writer singer sailor soldier traveler child mother father brother "
@@ -76,12 +78,34 @@ class _Parts:
     rng_key: str
 
 
-def _parts(seed: int, repeat: int) -> _Parts:
+def load_words(path: str | Path) -> tuple[str, ...]:
+    """Filler words from a text file (whitespace-separated) or a Hugging Face tokenizer.json's vocabulary.
+
+    Needed for models whose tokenizer maps English words to one unknown token (a test model's
+    word-level vocabulary): every prompt would be the same token sequence and the prefix cache would hit.
+    """
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".json":
+        vocab = (json.loads(text).get("model") or {}).get("vocab") or {}
+        keys = vocab.keys() if isinstance(vocab, dict) else [entry[0] for entry in vocab]
+        words = [k.lstrip("\u0120\u2581") for k in keys]
+    else:
+        words = text.split()
+    words = list(dict.fromkeys(w for w in words if w.isascii() and w.isalpha() and len(w) >= 2))
+    if len(words) < 50:
+        raise PromptError(f"{path}: only {len(words)} usable words (letters only, 2+ characters); need at least 50")
+    return tuple(words)
+
+
+def _parts(seed: int, repeat: int, words: Sequence[str]) -> _Parts:
     rng = random.Random(f"memtel-needle/{seed}/{repeat}")
     color, place = rng.choice(COLORS), rng.choice(PLACES)
     code = f"{rng.randrange(100000, 1000000)}"
+    # Seeded words up front: the very first cache block differs between prompts whatever the tokenizer.
+    opening = " ".join(rng.choice(words) for _ in range(8))
     return _Parts(
-        header=f"Record {seed}-{repeat} {rng.randrange(10**9):09d}. Read the whole record, then answer the question at the end.",
+        header=f"Record {seed}-{repeat} {rng.randrange(10**9):09d} {opening}. Read the whole record, then answer the question at the end.",
         needle=f"The secret code of the {color} {place} is {code}.",
         question=f"What is the secret code of the {color} {place}? Answer with the number only.",
         answer=code,
@@ -92,21 +116,23 @@ def _parts(seed: int, repeat: int) -> _Parts:
 class _Filler:
     """The seeded word stream; the first n words are always the same, so resizing only appends or cuts."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, vocabulary: Sequence[str], sentences: bool) -> None:
         self._rng = random.Random(key)
+        self._vocabulary = vocabulary
+        self._sentences = sentences  # capitals and periods only where the words are plain English
         self._words: list[str] = []
         self._sentence_left = 0
 
     def words(self, n: int) -> list[str]:
         while len(self._words) < n:
-            if self._sentence_left == 0:
-                self._sentence_left = self._rng.randint(8, 16)
-                word = self._rng.choice(WORDS).capitalize()
-            else:
-                word = self._rng.choice(WORDS)
-            self._sentence_left -= 1
-            if self._sentence_left == 0:
-                word += "."
+            word = self._rng.choice(self._vocabulary)
+            if self._sentences:
+                if self._sentence_left == 0:
+                    self._sentence_left = self._rng.randint(8, 16)
+                    word = word.capitalize()
+                self._sentence_left -= 1
+                if self._sentence_left == 0:
+                    word += "."
             self._words.append(word)
         return self._words[:n]
 
@@ -119,10 +145,15 @@ def _render(parts: _Parts, filler: _Filler, n_words: int, pad: int, depth: float
 
 
 def build_prompt(target_tokens: int, seed: int, count_tokens: Callable[[str], int], *, repeat: int = 0,
-                 needle_depth: float = 0.5, max_calls: int = DEFAULT_MAX_CALLS) -> Prompt:
-    """A prompt of exactly `target_tokens` tokens as `count_tokens` counts them."""
-    parts = _parts(seed, repeat)
-    filler = _Filler(parts.rng_key)
+                 needle_depth: float = 0.5, max_calls: int = DEFAULT_MAX_CALLS,
+                 words: Sequence[str] | None = None) -> Prompt:
+    """A prompt of exactly `target_tokens` tokens as `count_tokens` counts them.
+
+    `words`: the filler vocabulary (default: common English words, see `load_words`).
+    """
+    vocabulary = tuple(words) if words else WORDS
+    parts = _parts(seed, repeat, vocabulary)
+    filler = _Filler(parts.rng_key, vocabulary, sentences=not words)
     calls = 0
 
     def count(n: int, pad: int) -> int:

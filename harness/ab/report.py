@@ -117,6 +117,7 @@ def request_metrics(run: _Run, arm: str, repeat: int, step: str) -> dict | None:
         "prompt_tokens_expected": req.get("prompt_token_count"), "prompt_tokens_usage": req.get("prompt_tokens"),
         "prompt_tokens_match": req.get("prompt_tokens_match"), "output_tokens": req.get("output_tokens"),
         "needle_found": req.get("needle_found"), "started_at": req["started_at"], "ended_at": req["ended_at"],
+        "prefix_cache_hit_tokens": req.get("prefix_cache_hit_tokens"),
         "nodes": {}, "ranks": {},
     }
     for node in run.nodes:
@@ -330,7 +331,8 @@ def write_report(run_dir: str | Path) -> Path:
     if pair:
         header.append(f"{pair[0]} − {pair[1]} TTFT")
     sections.append("## 3. Time to first token per request\n\nClient: request sent to first streamed content; "
-                    "server: vllm:time_to_first_token_seconds (sum/count deltas around the request).\n\n" + _table(header, rows))
+                    "server: vllm:time_to_first_token_seconds (sum/count deltas around the request).\n\n"
+                    + _table(header, rows) + "\n\n" + _cold_statement(metrics))
 
     # (4) swap and kernel errors
     rows = []
@@ -393,6 +395,18 @@ def _prompt_tokens(run: _Run, metrics: dict, step: str) -> str:
         return "n/a"
     mark = "exact" if usage <= expected else f"MISMATCH (built {sorted(expected)})"
     return f"{', '.join(f'{u:,}' for u in sorted(usage))} ({mark})"
+
+
+def _cold_statement(metrics: dict) -> str:
+    """Whether every prefill was cold, from the server's prefix-cache hit counter."""
+    hits = {k: m["prefix_cache_hit_tokens"] for k, m in metrics.items() if m["ok"]}
+    known = {k: v for k, v in hits.items() if v is not None}
+    if not known:
+        return "Prefix cache: the servers do not export vllm:prefix_cache_hits; coldness not checked."
+    warm = [f"{a} r{r} {s} ({v:,.0f} tokens)" for (a, r, s), v in sorted(known.items()) if v > 0]
+    if not warm:
+        return f"Prefix cache: 0 hit tokens in all {len(known)} requests: every prefill was cold."
+    return "Prefix cache HITS (these prefills were not cold): " + ", ".join(warm) + "."
 
 
 def _needle(found: list, run: _Run, arm: str, step: str) -> str:

@@ -26,7 +26,7 @@ import httpx
 
 from harness.ab.client import RequestResult, Tokenizer, stream_request
 from harness.ab.config import Arm, Ladder, LadderError, Step, check_reachable
-from harness.ab.prompts import Prompt, answer_found, build_prompt
+from harness.ab.prompts import Prompt, answer_found, build_prompt, load_words
 from harness.ab.records import (RESULTS_FILE, RecordWriter, finished_steps, read_records, step_key,
                                 unstopped_servers)
 from harness.ab.samplers import NodeSampler, Scraper
@@ -166,6 +166,7 @@ class _Run:
         self.prompts: dict[tuple[str, int], Prompt] = {}
         self.prompt_records = {(r["step"], r["repeat"]): r for r in prior if r["event"] == "prompt"}
         self.server: ServedProcess | None = None
+        self.words = load_words(ladder.request.words_file) if ladder.request.words_file else None
 
     # -- top level --
 
@@ -299,7 +300,7 @@ class _Run:
         tokenizer = Tokenizer(self.http, arm.url, self.model_name(arm), api=self.ladder.request.api)
         started = time.perf_counter()
         prompt = build_prompt(step.tokens, step.seed, tokenizer.count, repeat=repeat,
-                              needle_depth=self.ladder.request.needle_depth)
+                              needle_depth=self.ladder.request.needle_depth, words=self.words)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(prompt.text)
         self.writer.write("prompt", step=step.label, repeat=repeat, seed=step.seed, tokens=step.tokens,
@@ -389,12 +390,13 @@ class _Run:
         self.status.phase = "scraping"
         after = self.scraper.all(self.ladder.nodes, ranks, arm.url)
         server_ttft = _server_ttft(before, after.get("server"))
+        cache_hits = _counter_delta(before, after.get("server"), "prefix_cache_hits_total")
         needle = answer_found(prompt.answer, result.text) if self.ladder.request.check_answer and result.ok else None
         self.writer.write(
             "request", arm=arm.name, repeat=repeat, step=step.label, seed=step.seed, tokens=step.tokens,
             prompt_token_count=prompt.token_count, prompt_sha256=prompt.sha256,
             prompt_tokens_match=(result.prompt_tokens == prompt.token_count) if result.prompt_tokens is not None else None,
-            server_ttft_s=server_ttft, needle_found=needle, answer=prompt.answer,
+            server_ttft_s=server_ttft, prefix_cache_hit_tokens=cache_hits, needle_found=needle, answer=prompt.answer,
             min_mem_available_bytes=sampler.min_mem_available, max_swap_used_bytes=sampler.max_swap_used,
             node_samples=sampler.samples, **{k: v for k, v in result.to_dict().items() if k != "text"},
             reply=result.text[:500],
@@ -421,6 +423,12 @@ def _server_ttft(before: dict | None, after: dict | None) -> float | None:
     if count <= 0:
         return None
     return (after["ttft_sum_s"] - before["ttft_sum_s"]) / count
+
+
+def _counter_delta(before: dict | None, after: dict | None, key: str) -> float | None:
+    if not before or not after or before.get(key) is None or after.get(key) is None:
+        return None
+    return after[key] - before[key]
 
 
 def _expand(value: str, fields: dict) -> str:

@@ -48,6 +48,8 @@ RANK_PER_SITE = {
 }
 SERVER_TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 SERVER_TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+SERVER_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"  # tokens looked up in the prefix cache
+SERVER_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"        # of which found: a cold prefill has none
 
 
 def parse_metrics(text: str) -> Samples:
@@ -83,7 +85,9 @@ def rank_snapshot(samples: Samples) -> dict:
 
 
 def server_snapshot(samples: Samples) -> dict:
-    return {"ttft_sum_s": _sum(samples, SERVER_TTFT_SUM), "ttft_count": _sum(samples, SERVER_TTFT_COUNT)}
+    return {"ttft_sum_s": _sum(samples, SERVER_TTFT_SUM), "ttft_count": _sum(samples, SERVER_TTFT_COUNT),
+            "prefix_cache_queries_total": _sum(samples, SERVER_PREFIX_CACHE_QUERIES),
+            "prefix_cache_hits_total": _sum(samples, SERVER_PREFIX_CACHE_HITS)}
 
 
 class Scraper:

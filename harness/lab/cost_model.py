@@ -11,8 +11,8 @@ of three kinds of work and sleeps until the charged time has passed:
 
 The defaults are calibrated so that a cold 100k-token prefill with the reference shape (45 layers,
 8,192-token chunks, compress ratio 4, two ranks) costs about 54 s, as measured on the user's pair of
-DGX Sparks; roughly a sixth of it is the indexer's logits, as its FLOPs suggest (64 heads x 128 dims,
-~2.5e5 FLOP per element at ~150 TFLOP/s effective). `time_scale` shrinks the charged time so a demo
+DGX Sparks; roughly a sixth of it is the indexer's logits, as its FLOPs suggest (64 heads x 128 dims
+x 2 = ~16k FLOP per element at ~100 TFLOP/s effective). `time_scale` shrinks the charged time so a demo
 of three long prefills per arm takes seconds; reports show the scaled times.
 """
 

@@ -213,7 +213,10 @@ class HookSession:
         if threading.current_thread() is not threading.main_thread():
             return
         try:
-            self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous == self._on_sigterm:  # a forked child inherits ours: do not chain to itself
+                return
+            self._previous_sigterm = previous
             signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_installed = True
         except (ValueError, OSError):  # not the main thread of the main interpreter

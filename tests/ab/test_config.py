@@ -176,8 +176,23 @@ def test_every_shipped_profile_loads():
     assert {p.name for p in profiles} >= {"ab-tp2-two-nodes.yaml", "production.yaml", "cpu-vllm-small.yaml",
                                           "default-100k-100k-200k.yaml"}
     for path in profiles:
-        ladder = load_ladder(path)
+        # from_dict: the CPU profiles name a model made on demand (/tmp/memtel-tiny-llama), not shipped.
+        ladder = Ladder.from_dict(yaml.safe_load(path.read_text()), source=str(path))
         assert len(ladder.arms) == 2, path
+        assert ladder.arms[0].serve.env != ladder.arms[1].serve.env  # the arms differ by the fixed width
+
+
+def test_words_file_is_checked_at_load_and_relative_to_the_file(tmp_path):
+    data = example()
+    data["request"]["words_file"] = "words.txt"
+    path = write(tmp_path, yaml.safe_dump(data))
+    with pytest.raises(LadderError, match=rf"^{path}: request.words_file: .*words.txt"):
+        load_ladder(path)
+    (tmp_path / "words.txt").write_text("only three words")
+    with pytest.raises(LadderError, match="only 3 usable words"):
+        load_ladder(path)
+    (tmp_path / "words.txt").write_text(" ".join(f"w{chr(97 + i % 26)}{chr(97 + i // 26)}" for i in range(100)))
+    assert load_ladder(path).request.words_file == str(tmp_path / "words.txt")
 
 
 def test_check_reachable_names_the_unreachable_field():

@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from harness.ab.prompts import PromptError, answer_found, build_prompt
+import json
+
+from harness.ab.prompts import WORDS, PromptError, answer_found, build_prompt, load_words
 
 
 class Counter:
@@ -80,3 +82,29 @@ def test_a_tokenizer_that_never_converges_fails_after_the_call_limit():
 
     with pytest.raises(PromptError, match="could not reach 5001 tokens in 4 /tokenize calls"):
         build_prompt(5_001, seed=1, count_tokens=even_only, max_calls=4)
+
+
+def test_word_level_vocab_prompts_differ_token_by_token_so_the_prefix_cache_cannot_hit(tmp_path):
+    """Found with the test model: its WordLevel vocabulary has no English words, so English filler was
+    all [UNK], every prompt the same token sequence, and vLLM's prefix cache hit on the "cold" steps."""
+    vocab_words = [a + b + c for a in "kltmnrsv" for b in "aeiou" for c in ("ka", "lo", "mi", "ne")]
+    vocab = {w: i for i, w in enumerate(["[UNK]", *vocab_words])}
+    tokenizer_json = tmp_path / "tokenizer.json"
+    tokenizer_json.write_text(json.dumps({"model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}}))
+    words = load_words(tokenizer_json)
+    assert set(words) == set(vocab_words)
+
+    def ids(text: str) -> list[int]:
+        return [vocab.get(w, 0) for w in text.split()]
+
+    english = [ids(build_prompt(1_000, seed, word_level).text) for seed in (1, 2)]
+    assert english[0][:16] == english[1][:16]  # the bug: the same first cache block
+    own = [ids(build_prompt(1_000, seed, word_level, words=words).text) for seed in (1, 2)]
+    assert own[0][:16] != own[1][:16]
+    assert sum(i != 0 for i in own[0]) > 0.9 * len(own[0])  # nearly every token is a real word
+
+
+def test_load_words_from_a_text_file(tmp_path):
+    path = tmp_path / "words.txt"
+    path.write_text(" ".join(WORDS) + " x 123 ok!")
+    assert load_words(path) == tuple(WORDS)

@@ -139,7 +139,8 @@ def test_two_arms_interrupted_twice_then_resumed(tmp_path, tiny_model, node_daem
     port_a, port_b, hook_port = free_port(), free_port(), free_port()
     ladder = {
         "model": "tiny",
-        "request": {"max_tokens": 8, "timeout_s": 300, "check_answer": False},
+        "request": {"max_tokens": 8, "timeout_s": 300, "check_answer": False,
+                    "words_file": str(tiny_model / "tokenizer.json")},
         "arms": [serve_arm("stock", tiny_model, port_a, hook_port), serve_arm("fixed", tiny_model, port_b, hook_port)],
         "nodes": {"local": node_daemon},
         "ranks": {"rank0": f"http://127.0.0.1:{hook_port}/metrics"},
@@ -207,6 +208,7 @@ def check_complete_run(run_dir: Path, ladder_path: Path, done_mid: list) -> None
         assert r["server_ttft_s"] is not None and r["server_ttft_s"] > 0
         assert r["output_tokens"] and r["output_tokens"] >= 1
         assert r["needle_found"] is None  # check_answer: false
+        assert r["prefix_cache_hit_tokens"] == 0, r  # every prefill cold: no prompt shares a cached block
         assert r["node_samples"] >= 1 and r["min_mem_available_bytes"]["local"] > 0
     by_step = {}
     for r in requests:  # both arms got the same prompt for a step
@@ -245,6 +247,7 @@ def check_complete_run(run_dir: Path, ladder_path: Path, done_mid: list) -> None
     assert "| cold-8k | 8,000 (exact) |" in report
     assert "| rank0 | stock |" in report and "| rank0 | fixed |" in report
     assert "None: every request of every arm completed." in report
+    assert "Prefix cache: 0 hit tokens in all 6 requests: every prefill was cold." in report
     summary = json.loads((run_dir / "summary.json").read_text())
     assert len(summary["requests"]) == 6 and summary["status"] == "complete"
     for plot in summary["plots"]:
@@ -257,7 +260,8 @@ def test_server_killed_mid_request(tmp_path, tiny_model, node_daemon):
     steps = [{"label": "small", "tokens": 2000, "seed": 1}, {"label": "long", "tokens": 40000, "seed": 2},
              {"label": "after", "tokens": 2000, "seed": 3}]
     ladder = {
-        "model": "tiny", "request": {"max_tokens": 4, "timeout_s": 300, "check_answer": False},
+        "model": "tiny", "request": {"max_tokens": 4, "timeout_s": 300, "check_answer": False,
+                                     "words_file": str(tiny_model / "tokenizer.json")},
         "arms": [serve_arm("goes-on", tiny_model, port_a, on_error="continue", max_model_len=49152),
                  serve_arm("stops", tiny_model, port_b, on_error="stop-arm", max_model_len=49152)],
         "nodes": {"local": node_daemon}, "steps": steps, "sample_interval_s": 0.5,

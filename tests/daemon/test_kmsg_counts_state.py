@@ -155,3 +155,27 @@ def test_unreadable_log_makes_the_collector_fail_and_retries(tmp_path, caplog):
     finally:
         follower.stop()
     assert sum("cannot read the kernel log" in r.message for r in caplog.records) == 1  # logged once
+
+
+def test_state_write_failure_is_counted_and_logged_once_and_counting_goes_on(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    log_file = tmp_path / "kern.kmsg"
+    log_file.write_text("4,1,1000,-;NVRM: Xid (PCI:0000:01:00): 13, x\n")
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    state_dir.rmdir()
+    state_dir.write_text("a file where the state directory should be")
+    follower = _follow(log_file, state_dir / STATE_FILE_NAME, persist_interval=0.05)
+    try:
+        _wait_records(follower, 1)
+        with open(log_file, "a") as f:
+            f.write("4,2,2000,-;NVRM: Xid (PCI:0000:01:00): 13, x\n")
+        _wait_records(follower, 2)
+        deadline = time.monotonic() + 5
+        while follower.counts.snapshot().state_write_failures < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert follower.counts.snapshot().lines["xid:13"] == 2
+    finally:
+        follower.stop()
+    assert sum("cannot write the kmsg state file" in r.getMessage() for r in caplog.records) == 1

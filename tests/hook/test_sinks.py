@@ -215,3 +215,34 @@ def test_every_record_reaches_the_log_in_a_multiprocessing_child(tmp_path):
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     (log,) = tmp_path.glob("memtel-calls-*.jsonl")
     assert len(log.read_text().splitlines()) == 777
+
+
+def test_a_forked_child_logs_its_own_calls_and_still_dies_by_sigterm(tmp_path):
+    # The parent records first (installing the SIGTERM flush); the forked child inherits the handler.
+    (tmp_path / "fork_mod.py").write_text("def f(x):\n    return x\n")
+    code = (
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import telemetry, fork_mod\n"
+        f"telemetry.install(['fork_mod:f'], port=None, log_dir={str(tmp_path)!r}, flush_interval_s=3600,\n"
+        "                  flush_records=10**9)\n"
+        "[fork_mod.f(i) for i in range(10)]\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    [fork_mod.f(i) for i in range(25)]\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "    os._exit(7)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, pid)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    died_by_sigterm, child_pid = out.stdout.split()
+    assert died_by_sigterm == "True"
+    logs = {p.name: [json.loads(line) for line in p.read_text().splitlines()] for p in tmp_path.glob("*.jsonl")}
+    child = logs.pop(f"memtel-calls-rank0-pid{child_pid}.jsonl")
+    assert [r["call"] for r in child] == list(range(25))          # its own index, from 0
+    (parent,) = logs.values()
+    assert [r["call"] for r in parent] == list(range(10))

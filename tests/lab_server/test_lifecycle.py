@@ -126,3 +126,15 @@ def test_simulated_ttft_grows_with_the_work(tmp_path):
     for tokens, seconds in ttft.items():
         assert modeled(tokens) <= seconds <= modeled(tokens) + 0.5, (tokens, seconds, modeled(tokens))
     assert ttft[16384] > 6 * ttft[2048]  # 8x the tokens, and the logits grow with the kv length
+
+
+def test_cost_model_is_calibrated_to_the_reference_prefill():
+    """A cold 100k-token prefill, 45 layers, 8,192-token chunks, ratio 4: about 54 s, as measured by the user."""
+    cost = CostModel()
+    for mode in ("stock", "fixed"):
+        planner = PlannerConfig(mode=mode, chunk=8192, compress_ratio=4, max_model_len=204_800)
+        seconds = sum(cost.prefill_step_s(step.rows, sum(l.rows * l.kv_len for l in launches), len(launches), 45)
+                      for step, launches in plan_prefill(100_000, planner))
+        assert 51.0 < seconds < 57.0, (mode, seconds)
+    with pytest.raises(ValueError, match="time_scale must be >= 0"):
+        CostModel(time_scale=-1)
