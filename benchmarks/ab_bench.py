@@ -2,6 +2,7 @@
 
     python benchmarks/ab_bench.py run LADDER.yaml --out DIR     # run `memtel ab run`, sample its RSS/CPU
     python benchmarks/ab_bench.py analyze DIR                   # the numbers, from DIR alone
+    .venv-vllm/bin/python benchmarks/ab_bench.py tokenize       # /tokenize calls, byte-level BPE
 
 Targets (issue 5): client TTFT within 2 % or 50 ms of the server's own TTFT
 (vllm:time_to_first_token_seconds deltas) for the same request; the harness's RSS and CPU flat over a
@@ -100,6 +101,37 @@ def analyze(run_dir: Path) -> dict:
     return out
 
 
+def tokenize_calls(targets: list[int], url: str | None, model: str) -> None:
+    """/tokenize calls per prompt: against a server, or a byte-level BPE trained here (needs `tokenizers`)."""
+    from harness.ab.prompts import WORDS, build_prompt
+
+    if url:
+        import httpx
+
+        from harness.ab.client import Tokenizer
+
+        counter = Tokenizer(httpx.Client(), url.rstrip("/"), model)
+        count, name = counter.count, f"{url} /tokenize"
+    else:
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+        bpe = HFTokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        # A small vocabulary, so common words split into 1-3 pieces as in a real model's tokenizer.
+        sample = [" ".join(WORDS[i:] + WORDS[:i]) + " Record 12-0 000123456. The secret code of the amber vault"
+                  for i in range(0, len(WORDS), 7)]
+        bpe.train_from_iterator(sample, trainers.BpeTrainer(vocab_size=600, show_progress=False))
+        count, name = (lambda text: len(bpe.encode(text).ids)), "byte-level BPE (vocab 600, trained here)"
+    print(f"tokenizer: {name}")
+    for target in targets:
+        for seed in (1, 2, 3):
+            started = time.perf_counter()
+            prompt = build_prompt(target, seed, count)
+            print(f"  {target:>8} tokens seed {seed}: {prompt.tokenize_calls} calls, exact={count(prompt.text) == target}, "
+                  f"{prompt.pad_words} pad words, {time.perf_counter() - started:.2f} s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -109,9 +141,16 @@ def main() -> int:
     p.add_argument("--interval", type=float, default=1.0)
     p = sub.add_parser("analyze")
     p.add_argument("run_dir", type=Path)
+    p = sub.add_parser("tokenize", help="/tokenize calls per prompt (a server, or a local BPE)")
+    p.add_argument("--url", default=None, help="a vLLM server (default: a byte-level BPE trained here)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--tokens", type=int, nargs="+", default=[100_000, 200_000, 230_000])
     args = parser.parse_args()
     if args.cmd == "run":
         return run(args.ladder, args.out, args.interval)
+    if args.cmd == "tokenize":
+        tokenize_calls(args.tokens, args.url, args.model)
+        return 0
     analyze(args.run_dir)
     return 0
 

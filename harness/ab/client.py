@@ -94,6 +94,9 @@ def stream_request(client: httpx.Client, base_url: str, model: str, prompt: str,
     api = settings.api
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
     body = request_body(api, model, prompt, settings)
+    # Encoded before the clock starts: a 200k-token body is over a megabyte of JSON.
+    request_bytes = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
     result = RequestResult(ok=False, started_at=time.time())
     # A long prefill sends nothing for minutes: the read timeout is the whole request's timeout.
     timeout = httpx.Timeout(settings.timeout_s, connect=10.0)
@@ -101,7 +104,7 @@ def stream_request(client: httpx.Client, base_url: str, model: str, prompt: str,
     start = time.perf_counter()
     parts: list[str] = []
     try:
-        with client.stream("POST", base_url + path, json=body, timeout=timeout) as response:
+        with client.stream("POST", base_url + path, content=request_bytes, headers=headers, timeout=timeout) as response:
             result.status_code = response.status_code
             if response.status_code != 200:
                 response.read()

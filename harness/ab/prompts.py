@@ -39,7 +39,7 @@ WORDS: tuple[str, ...] = tuple(
     "bread apple cheese fish salt tea water fire wind rain snow cloud star moon sun tree flower "
     "grass hill lake sea shore path wall gate roof floor room kitchen hall office station museum "
     "after before during under over near beside behind across through along around between"
-).split()
+.split())
 
 COLORS = ("amber", "cobalt", "crimson", "emerald", "ivory", "jade", "ochre", "scarlet", "silver", "violet")
 PLACES = ("archive", "cellar", "harbor", "lighthouse", "mill", "observatory", "orchard", "quarry", "tower", "vault")

@@ -99,6 +99,21 @@ def random_case(seed: int, n_ops: int, size_fn, *, max_live: int = 60, empty_eve
     return ops
 
 
+def small_segments_case() -> list[list[Any]]:
+    """Many small and 20 MiB segments at once, then holes among them: where the driver puts them."""
+    ops: list[list[Any]] = []
+    small = list(range(0, 100))  # 1 MiB each: two per 2 MiB segment, 50 segments
+    mid = list(range(100, 110))  # 9 MiB each: two per 20 MiB segment, 5 segments
+    ops += [["malloc", i, MIB] for i in small]
+    ops += [["malloc", i, 9 * MIB] for i in mid]
+    ops += [["free", i] for i in small[:50]] + [["free", i] for i in mid[:4]]
+    ops.append(["empty_cache"])  # 25 small and 2 mid segments go back to the driver
+    sizes = [300 * MIB + 1, 30 * MIB, 3 * MIB] + [MIB] * 30 + [9 * MIB] * 4 + [70 * MIB - 5, 5 * MIB]
+    ops += [["malloc", 200 + k, size] for k, size in enumerate(sizes)]
+    ops += [["free", i] for i in small[50:] + mid[4:]] + [["free", 200 + k] for k in range(len(sizes))]
+    return ops
+
+
 def indexer_case(mode: str, **overrides: Any) -> list[list[Any]]:
     """The replay's op sequence for one arm (the same generator `memtel replay` uses)."""
     from harness.lab.replay import ArmSpec, ReplayParams, run_arm
@@ -132,6 +147,7 @@ def build_cases() -> dict[str, list[list[Any]]]:
         "indexer_fixed": indexer_case("fixed", **small),
         "indexer_stock_topk_transient": indexer_case("stock", topk=2048, transient_mb=3.0, **small),
         "indexer_fixed_no_keep": indexer_case("fixed", keep_previous=False, chunk=4608, tokens=27_648, layers=6, max_model_len=409_600),
+        "small_segments": small_segments_case(),
     }
 
 
@@ -173,6 +189,13 @@ def run_case(torch: Any, ops: list[list[Any]], addresses: list[int] | None = Non
     return ops, after
 
 
+def _process_maps(label: str) -> str:
+    try:
+        return f"# /proc/self/maps {label}\n" + Path("/proc/self/maps").read_text()
+    except OSError as exc:
+        return f"# /proc/self/maps {label}: unreadable ({exc})\n"
+
+
 def worker(config: str, out: Path, with_addresses: bool = False) -> int:
     import torch
 
@@ -181,13 +204,18 @@ def worker(config: str, out: Path, with_addresses: bool = False) -> int:
     props = torch.cuda.get_device_properties(0)
     cases = {}
     addresses: dict[str, list[int]] = {}
+    maps: list[str] = []
     for name, ops in build_cases().items():
+        if with_addresses and not maps:
+            maps.append(_process_maps("before the first case"))
         addresses[name] = []
         ops, after = run_case(torch, ops, addresses[name] if with_addresses else None)
         cases[name] = {"ops": ops, "after": after}
     if with_addresses:
         # Diagnostics, beside the truth file: the device address of every malloc (0: out of memory).
         out.with_suffix(".addresses.json").write_text(json.dumps(addresses, separators=(",", ":")))
+        maps.append(_process_maps("after the last case"))
+        out.with_suffix(".maps.txt").write_text("".join(maps))  # the process's address space, for the driver model
     doc = {
         "config": config,
         "torch": torch.__version__,

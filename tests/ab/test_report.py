@@ -23,10 +23,10 @@ def run_dir(tmp_path):
 
 def table(report: str, heading: str) -> list[list[str]]:
     """The rows of the first table after a heading, as lists of cells."""
-    section = report.split(heading, 1)[1]
-    lines = [line for line in section.splitlines() if line.startswith("|")]
+    lines = report.split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     rows = []
-    for line in lines:
+    for line in lines[start:]:
         if not line.startswith("|"):
             break
         rows.append([cell.strip() for cell in line.strip("|").split("|")])

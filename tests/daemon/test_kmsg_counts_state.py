@@ -179,3 +179,27 @@ def test_state_write_failure_is_counted_and_logged_once_and_counting_goes_on(tmp
     finally:
         follower.stop()
     assert sum("cannot write the kmsg state file" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_plain_text_file_resumes_at_its_offset_and_follows_truncation(tmp_path):
+    # Lines without the kmsg header (e.g. a journalctl -k export) carry no sequence number: a restart must
+    # resume at the saved byte offset rather than count the file again.
+    log_file = tmp_path / "kern.log"
+    line = "Nov 29 10:00:00 node kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=1, name=python3, GPU has fallen off the bus.\n"
+    log_file.write_text(line * 2)
+    state = tmp_path / STATE_FILE_NAME
+    first = _follow(log_file, state)
+    _wait_records(first, 2)
+    first.stop()
+    with open(log_file, "a") as f:
+        f.write(line)
+    second = _follow(log_file, state)
+    try:
+        _wait_records(second, 3)
+        time.sleep(0.3)
+        assert second.counts.snapshot().lines["xid:79"] == 3  # 2 + 1, none twice
+        log_file.write_text(line)  # truncated and rewritten (copytruncate rotation)
+        _wait_records(second, 4)
+        assert second.counts.snapshot().lines["xid:79"] == 4
+    finally:
+        second.stop()

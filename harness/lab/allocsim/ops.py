@@ -7,6 +7,11 @@
 Each case runs on a fresh simulator (the truth starts every case after `empty_cache()` with
 nothing live, and its rows are relative to the values before the case's first op). `after` is
 optional here; it is the truth the simulator is compared with.
+
+The cases of a file share one model of the driver's device addresses (driver_va.py), in file
+order: the capture ran them one after another in one process, and `empty_cache()` does not reset
+where the driver puts the next segment. Device addresses decide ties between equal-size free
+blocks in different segments, so a case replayed alone can differ from the truth.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import AllocatorConfigError, parse_alloc_conf
+from .driver_va import DriverAddressSpace
 from .simulator import CachingAllocatorSim, SimulatedOutOfMemoryError
 
 OP_NAMES = ("malloc", "free", "empty_cache")
@@ -77,17 +83,21 @@ def replay_ops(
     capacity_bytes: int | None = None,
     case: str = "ops",
     addresses: list[int] | None = None,
+    address_space: DriverAddressSpace | None = None,
 ) -> list[Row]:
     """Run `ops` on a fresh simulator; one `[reserved, allocated, device_alloc, device_free]` row per op.
 
     `addresses`: the device pointer each malloc returned in a real run (see RecordedAddresses).
+    `address_space`: the driver's addresses, shared with the cases run before this one in the same
+    process (default: a process that just started); the case's segments go back to it at the end,
+    as the next case's `empty_cache()` does.
     """
     if not isinstance(ops, list):
         raise OpFileError(f"{_where(case)}: 'ops' must be a list, got {type(ops).__name__}")
     recorded = RecordedAddresses(addresses) if addresses is not None else None
     mallocs = 0
     try:
-        sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes, address_space=recorded)
+        sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes, address_space=recorded if recorded is not None else address_space)
     except AllocatorConfigError as exc:
         raise OpFileError(f"{_where(case)}: {exc}") from None
     live: dict[int, int] = {}
@@ -118,6 +128,10 @@ def replay_ops(
         else:
             sim.empty_cache()
         append([sim.reserved_bytes, sim.allocated_bytes, sim.num_device_alloc, sim.num_device_free])
+    if address_space is not None and recorded is None:
+        for handle in list(live.values()):
+            sim.free(handle)
+        sim.empty_cache()
     return rows
 
 
@@ -158,9 +172,13 @@ def load_op_file(path: str | Path) -> dict[str, Any]:
 
 
 def replay_cases(data: Any, *, capacity_bytes: int | None = None, source: str = "op file") -> dict[str, list[Row]]:
-    """Replay every case of an op document; {case name: rows}."""
+    """Replay every case of an op document in order, as one process; {case name: rows}."""
     config, cases = validate_document(data, source)
-    return {name: replay_ops(ops, config, capacity_bytes=capacity_bytes, case=name) for name, ops in cases.items()}
+    driver = DriverAddressSpace()
+    return {
+        name: replay_ops(ops, config, capacity_bytes=capacity_bytes, case=name, address_space=driver)
+        for name, ops in cases.items()
+    }
 
 
 def first_mismatch(expected: list[Row], got: list[Row]) -> tuple[int, Row | None, Row | None] | None:

@@ -16,8 +16,8 @@ and `empty_cache` the counters match the real allocator's `reserved_bytes.all.cu
 - `expandable_segments:True`: one growing segment per pool mapped in 2 MiB (small) or 20 MiB
   (large) pages, one `num_device_alloc` per map call and one `num_device_free` per unmap call.
 
-Device addresses only break ties between free blocks of equal size; new cudaMalloc segments take
-the top of the highest free address range, which is what agrees with the captured truth.
+Device addresses only break ties between free blocks of equal size in different segments; the
+segments' base addresses come from a model of the CUDA driver's choices (driver_va.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import SIZE_MAX, AllocatorConfig, parse_alloc_conf
+from .driver_va import DriverAddressSpace
 
 MIN_BLOCK = 512  # kMinBlockSize
 SMALL_SIZE = 1024 * 1024  # kSmallSize
@@ -81,45 +82,6 @@ class _Expandable:
         self.pages: dict[int, int] = {}  # page index -> callback id
 
 
-class _AddressSpace:
-    """Device virtual addresses for cudaMalloc segments (all multiples of 2 MiB).
-
-    Top-down first fit: a new segment takes the top of the highest free range, and freed ranges
-    are reused. Of the orders tried against captured truth (bottom-up first fit, best fit, bump up
-    or down) it is the one that reproduces the real allocator's choices between equal-size free
-    blocks of different segments.
-    """
-
-    def __init__(self, base: int = 0x7F00_0000_0000, size: int = 1 << 44) -> None:
-        self._free: list[list[int]] = [[base, size]]  # sorted [addr, size] ranges
-
-    def alloc(self, size: int) -> int:
-        free = self._free
-        for i in range(len(free) - 1, -1, -1):
-            rng = free[i]
-            if rng[1] >= size:
-                rng[1] -= size
-                addr = rng[0] + rng[1]
-                if rng[1] == 0:
-                    del free[i]
-                return addr
-        raise SimulatedOutOfMemoryError("simulated device address space exhausted")
-
-    def release(self, addr: int, size: int) -> None:
-        free = self._free
-        i = bisect_left(free, [addr, 0])
-        if i > 0 and free[i - 1][0] + free[i - 1][1] == addr:
-            free[i - 1][1] += size
-            if i < len(free) and addr + size == free[i][0]:
-                free[i - 1][1] += free[i][1]
-                del free[i]
-        elif i < len(free) and addr + size == free[i][0]:
-            free[i][0] = addr
-            free[i][1] += size
-        else:
-            free.insert(i, [addr, size])
-
-
 def round_size(size: int, config: AllocatorConfig) -> int:
     """`round_size`: 512-byte multiples, or the next power-of-two division when configured."""
     if size < MIN_BLOCK:
@@ -154,7 +116,9 @@ class CachingAllocatorSim:
     `on_segment_map(segment_id, nbytes)` / `on_segment_unmap(segment_id, nbytes)` are called when
     device memory is mapped (cudaMalloc, or one page of an expandable segment) and released; ids
     are unique for the life of the simulator.
-    `address_space` replaces the model of the driver's cudaMalloc addresses (see _AddressSpace).
+    `address_space`: the driver's cudaMalloc addresses, anything with `alloc(size) -> address` and
+    `release(address, size)` (default: a fresh DriverAddressSpace, a process that just started).
+    Share one across simulators that stand for one process, one after another.
     """
 
     def __init__(
@@ -185,9 +149,7 @@ class CachingAllocatorSim:
         self._live: dict[int, _Block | None] = {}
         self._next_handle = 1
         self._next_segment = 1
-        # Anything with alloc(size) -> address and release(address, size); tests pass the addresses
-        # a real run recorded, to separate the driver's address choices from the allocator's rules.
-        self._va = address_space if address_space is not None else _AddressSpace()
+        self._va = address_space if address_space is not None else DriverAddressSpace()
         self._es_next_base = 0x2000_0000_0000_0000
         self.reserved_bytes = 0
         self.allocated_bytes = 0

@@ -27,6 +27,7 @@ class CountsSnapshot:
     missed: int = 0
     state_write_failures: int = 0
     last_seq: int | None = None
+    stream_offset: int | None = None  # bytes consumed of a plain file given with --kmsg (restart point)
 
 
 class KmsgCounts:
@@ -45,6 +46,7 @@ class KmsgCounts:
         self._missed = 0
         self._state_write_failures = 0
         self._last_seq: int | None = None
+        self._stream_offset: int | None = None
 
     def _bounded(self, kind: str) -> str:
         if not kind.startswith(XID_PREFIX) or kind in self._lines:
@@ -52,12 +54,16 @@ class KmsgCounts:
         codes = sum(1 for k in self._lines if k.startswith(XID_PREFIX) and k != XID_OTHER)
         return kind if codes < self.max_xid_codes else XID_OTHER
 
-    def add_record(self, kinds: list[str], usec: int, wall: float, seq: int | None) -> None:
+    def add_record(
+        self, kinds: list[str], usec: int, wall: float, seq: int | None, stream_offset: int | None = None
+    ) -> None:
         """Count one record read from the log, with the kinds the classifier gave it."""
         with self._lock:
             self._records += 1
             if seq is not None:
                 self._last_seq = seq
+            if stream_offset is not None:
+                self._stream_offset = stream_offset
             for raw_kind in kinds:
                 kind = self._bounded(raw_kind)
                 self._lines[kind] = self._lines.get(kind, 0) + 1
@@ -76,6 +82,15 @@ class KmsgCounts:
         with self._lock:
             self._state_write_failures += 1
 
+    def set_stream_offset(self, offset: int | None) -> None:
+        with self._lock:
+            self._stream_offset = offset
+
+    @property
+    def stream_offset(self) -> int | None:
+        with self._lock:
+            return self._stream_offset
+
     @property
     def last_seq(self) -> int | None:
         with self._lock:
@@ -93,6 +108,7 @@ class KmsgCounts:
                 missed=self._missed,
                 state_write_failures=self._state_write_failures,
                 last_seq=self._last_seq,
+                stream_offset=self._stream_offset,
             )
 
     def restore(self, snap: CountsSnapshot) -> None:
@@ -107,3 +123,4 @@ class KmsgCounts:
             self._missed = snap.missed
             self._state_write_failures = snap.state_write_failures
             self._last_seq = snap.last_seq
+            self._stream_offset = snap.stream_offset

@@ -169,6 +169,14 @@ class KmsgFollower:
             poller.poll(POLL_MS)
 
     def _follow_stream(self, fd: int) -> None:
+        # A regular file resumes at the byte offset saved with the counts (its lines may carry no sequence
+        # number); a file shorter than that offset was truncated or replaced and is read from its start.
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        offset = self.counts.stream_offset if regular else None
+        if offset is not None and os.fstat(fd).st_size >= offset:
+            os.lseek(fd, offset, os.SEEK_SET)
+        elif regular:
+            offset = 0
         pending = b""
         while not self._stop.is_set():
             try:
@@ -179,22 +187,33 @@ class KmsgFollower:
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
+                    if offset is not None:
+                        offset += len(line) + 1
                     if line.startswith(b" "):
                         continue  # a continuation line: properties, not classified
                     record = parse_record(line.decode("utf-8", "replace"))
                     if record is not None:
-                        self._handle(record)
+                        self._handle(record, offset)
+                    elif offset is not None:
+                        self.counts.set_stream_offset(offset)
+                continue
+            if regular and os.fstat(fd).st_size < (offset or 0) + len(pending):
+                log.info("%s was truncated: reading it from its start", self.path)  # copytruncate rotation
+                os.lseek(fd, 0, os.SEEK_SET)
+                offset, pending = 0, b""
                 continue
             # End of a file (follow it like tail -f) or a FIFO without a writer: wait for more.
             self.persist()
             self._stop.wait(POLL_MS / 1000)
 
-    def _handle(self, record: KmsgRecord) -> None:
+    def _handle(self, record: KmsgRecord, stream_offset: int | None = None) -> None:
         seq = record.seq
         if seq is not None:
             last = self.counts.last_seq
             if last is not None and self._have_seq:
                 if seq <= last:
+                    if stream_offset is not None:
+                        self.counts.set_stream_offset(stream_offset)
                     return  # counted before a restart
                 if seq > last + 1:
                     self.counts.add_missed(seq - last - 1)
@@ -205,5 +224,5 @@ class KmsgFollower:
             wall = now_wall - now_mono + usec / 1e6  # the kernel stamps records with its monotonic clock
         else:
             usec, wall = int(now_mono * 1e6), now_wall
-        self.counts.add_record(self.classifier.classify(record), usec, wall, seq)
+        self.counts.add_record(self.classifier.classify(record), usec, wall, seq, stream_offset)
         self._dirty = True

@@ -67,6 +67,9 @@ def decode_state(text: str) -> tuple[str, str, CountsSnapshot]:
     last_seq = data.get("last_seq")
     if last_seq is not None and (not isinstance(last_seq, int) or last_seq < 0):
         raise StateError("field 'last_seq' is not a non-negative integer")
+    offset = data.get("stream_offset")
+    if offset is not None and (not isinstance(offset, int) or offset < 0):
+        raise StateError("field 'stream_offset' is not a non-negative integer")
     wall = data.get("last_seen_wall", {})
     if not isinstance(wall, dict) or not all(isinstance(v, (int, float)) for v in wall.values()):
         raise StateError("field 'last_seen_wall' is not a mapping of names to numbers")
@@ -80,6 +83,7 @@ def decode_state(text: str) -> tuple[str, str, CountsSnapshot]:
         missed=_int_of(data, "missed"),
         state_write_failures=_int_of(data, "state_write_failures"),
         last_seq=last_seq,
+        stream_offset=offset,
     )
     return boot_id, source, snapshot
 
@@ -91,6 +95,7 @@ def encode_state(snapshot: CountsSnapshot, boot_id: str, source: str) -> str:
             "boot_id": boot_id,
             "source": source,
             "last_seq": snapshot.last_seq,
+            "stream_offset": snapshot.stream_offset,
             "records": snapshot.records,
             "missed": snapshot.missed,
             "state_write_failures": snapshot.state_write_failures,
