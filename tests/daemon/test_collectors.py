@@ -174,7 +174,7 @@ def test_processes_match_roles_by_command_line_and_are_bounded():
         deadline = time.monotonic() + 10
         while True:
             families = {m.name: m for m in collector.collect()}
-            count = [s.value for s in families["memtel_process_role_count"].samples if s.labels["role"] == "engine_core"]
+            count = [s.value for s in families["memtel_process_role_processes"].samples if s.labels["role"] == "engine_core"]
             rss = [s.value for s in families["memtel_process_resident_bytes"].samples]
             if (count == [3] and rss and min(rss) > 25_000_000) or time.monotonic() > deadline:
                 break
@@ -188,7 +188,7 @@ def test_processes_match_roles_by_command_line_and_are_bounded():
         total = [s.value for s in families["memtel_process_role_resident_bytes"].samples
                  if s.labels["role"] == "engine_core"][0]
         assert total >= sum(s.value for s in per_process)
-        workers = [s.value for s in families["memtel_process_role_count"].samples if s.labels["role"] == "worker"]
+        workers = [s.value for s in families["memtel_process_role_processes"].samples if s.labels["role"] == "worker"]
         assert workers == [0]  # every role is present, 0 when nothing runs
     finally:
         for child in children:
@@ -204,7 +204,7 @@ def test_process_renamed_after_start_is_found_while_young():
                                             "'import time; time.sleep(30)'"])
     try:
         families = {m.name: m for m in collector.collect()}  # first seen under its original command line
-        assert [s.value for s in families["memtel_process_role_count"].samples] == [0]
+        assert [s.value for s in families["memtel_process_role_processes"].samples] == [0]
         deadline = time.monotonic() + 10
         while True:
             families = {m.name: m for m in collector.collect()}

@@ -69,6 +69,4 @@ def test_promtool_finds_no_problems(tmp_path):
         text = daemon.scrape().text
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     problems = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
-    # Known, kept on purpose: dashboards and the runbook use this name; renaming it is a coordinated change.
-    problems = [p for p in problems if not p.startswith("memtel_process_role_count ")]
     assert problems == []

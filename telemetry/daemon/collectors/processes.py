@@ -97,7 +97,7 @@ class ProcessCollector:
             "memtel_process_role_resident_bytes", "Resident set size of all processes of the role.", labels=["role"]
         )
         role_count = GaugeMetricFamily(
-            "memtel_process_role_count", "Number of running processes matched to the role.", labels=["role"]
+            "memtel_process_role_processes", "Number of running processes matched to the role.", labels=["role"]
         )
         for role, members in by_role.items():
             members.sort(reverse=True)
