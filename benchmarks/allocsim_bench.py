@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from harness.lab.allocsim import CachingAllocatorSim
-from harness.lab.allocsim.ops import replay_ops
+from harness.lab.allocsim.ops import replay_cases, replay_ops
 from harness.lab.replay import ArmSpec, ReplayParams, replay
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def main() -> int:
                 continue
             doc = json.loads(path.read_text())
             ops = sum(len(c["ops"]) for c in doc["cases"].values())
-            took = best_of(args.repeat, lambda: [replay_ops(c["ops"], doc["config"]) for c in doc["cases"].values()])
+            took = best_of(args.repeat, lambda: replay_cases(doc))  # in file order, one driver-address model
             total_ops += ops
             total_time += took
             print(f"{path.name:<100} {ops:>7} ops {ops / took:>10,.0f} ops/s")

@@ -92,11 +92,16 @@ class ArmTrace:
 
 class _SimBackend:
     def __init__(self, arm: ArmSpec, capacity_bytes: int | None) -> None:
-        from harness.lab.allocsim import CachingAllocatorSim
+        from harness.lab.allocsim import CachingAllocatorSim, DriverAddressSpace
 
-        self.main = CachingAllocatorSim(arm.alloc_conf, capacity_bytes=capacity_bytes)
+        driver = DriverAddressSpace()  # one process: both pools' segments come from one driver
+        self.main = CachingAllocatorSim(arm.alloc_conf, capacity_bytes=capacity_bytes, address_space=driver)
         # A private pool is a second set of block pools: model it as a second allocator.
-        self.logits = CachingAllocatorSim(arm.alloc_conf, capacity_bytes=capacity_bytes) if arm.mempool else self.main
+        self.logits = (
+            CachingAllocatorSim(arm.alloc_conf, capacity_bytes=capacity_bytes, address_space=driver)
+            if arm.mempool
+            else self.main
+        )
 
     def launch(self, rows: int, width: int, kv_len: int) -> Any:
         return (self.logits, indexer.indexer_logits_launch(self.logits, rows, width, kv_len))

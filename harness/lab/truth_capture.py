@@ -14,8 +14,10 @@ last reference. A malloc that runs out of memory (only with a memory fraction) r
 and its id never becomes live.
 
 Cases are generated from fixed seeds, so every config sees the same ops: random mixes of sizes
-and frees with occasional `empty_cache`, sizes at the allocator's boundaries, and the sparse
-indexer's logits patterns (stock and fixed width, with and without top-k outputs and transients).
+and frees with occasional `empty_cache`, sizes at the allocator's boundaries, the sparse
+indexer's logits patterns (stock and fixed width, with and without top-k outputs and transients), and
+many small segments at once (where the driver puts them: `--addresses` records every malloc's device
+pointer and the process's /proc/self/maps, for the model in allocsim/driver_va.py).
 """
 
 from __future__ import annotations
@@ -214,8 +216,8 @@ def worker(config: str, out: Path, with_addresses: bool = False) -> int:
     if with_addresses:
         # Diagnostics, beside the truth file: the device address of every malloc (0: out of memory).
         out.with_suffix(".addresses.json").write_text(json.dumps(addresses, separators=(",", ":")))
-        maps.append(_process_maps("after the last case"))
-        out.with_suffix(".maps.txt").write_text("".join(maps))  # the process's address space, for the driver model
+        maps.append(_process_maps("after the last case"))  # where the driver put the segments
+        out.with_suffix(".maps.txt").write_text("".join(maps))
     doc = {
         "config": config,
         "torch": torch.__version__,

@@ -2,7 +2,10 @@
 
 Truth files: tests/fixtures/allocator-truth/ (captured on an H200 with torch 2.11 by
 harness/lab/truth_capture.py and `memtel replay --record`) and the shared sample in
-../shared/data/allocator-truth/ next to the clone.
+../shared/data/allocator-truth/ next to the clone. A file's cases are replayed in file order through
+one model of the driver's device addresses, as the capture ran them in one process. The
+`*.addresses.json` sidecars hold every malloc's real device pointer: they check the address model
+itself, and replaying with them separates the allocator's rules from the driver's choices.
 """
 
 from __future__ import annotations
@@ -12,32 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.lab.allocsim import CachingAllocatorSim, SimulatedOutOfMemoryError
+from harness.lab.allocsim.driver_va import ARENA_TOP, CONTEXT_SIZE, DriverAddressSpace
 from harness.lab.allocsim.ops import first_mismatch, replay_cases, replay_ops
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "allocator-truth"
 SHARED = REPO.parent / "shared" / "data" / "allocator-truth"
-
-
-# Cases whose outcome hangs on a tie between equal-size free blocks in different segments: the
-# allocator takes the lower device address, and which segment has it is the CUDA driver's choice,
-# which depends on the whole process's history (the capture ran its cases one after another in one
-# process). The simulator's address model gets these wrong; given the addresses the real run
-# recorded (test_..._given_the_real_device_addresses below) every one of them agrees exactly.
-ADDRESS_SENSITIVE = {
-    ("h200-torch2.11-default", "random_ties"),
-    ("h200-torch2.11-max-split-size-mb-256", "random_edges"),
-    ("h200-torch2.11-max-split-size-mb-256", "random_ties"),
-    ("h200-torch2.11-max-split-size-mb-256-roundup-power2-divisions-4", "random_mixed_a"),
-    ("h200-torch2.11-max-split-size-mb-256-roundup-power2-divisions-4", "random_mixed_b"),
-    ("h200-torch2.11-max-split-size-mb-256-roundup-power2-divisions-4", "random_ties"),
-    ("h200-torch2.11-per-process-memory-fraction-0.05-garbage-collection-threshold-0.6", "random_ties"),
-    ("h200-torch2.11-roundup-power2-divisions-256-1-512-2-1024-4-8-max-split-size-mb-512-max-non-split-rounding-mb-64", "random_ties"),
-    ("h200-torch2.11-roundup-power2-divisions-4", "random_mixed_a"),
-    ("h200-torch2.11-roundup-power2-divisions-4", "random_mixed_b"),
-    ("h200-torch2.11-roundup-power2-divisions-4", "random_edges"),
-    ("h200-torch2.11-roundup-power2-divisions-4", "random_ties"),
-}
 
 
 def _truth_files() -> list[Path]:
@@ -51,10 +35,7 @@ def _cases():
     for path in _truth_files():
         doc = json.loads(path.read_text())
         for name in doc["cases"]:
-            marks = []
-            if (path.stem, name) in ADDRESS_SENSITIVE:
-                marks.append(pytest.mark.xfail(strict=True, reason="tie broken by driver-chosen device addresses"))
-            yield pytest.param(path, name, id=f"{path.stem}::{name}", marks=marks)
+            yield pytest.param(path, name, id=f"{path.stem}::{name}")
 
 
 def _cases_with_addresses():
@@ -118,10 +99,92 @@ def test_simulator_agrees_given_the_real_device_addresses(path: Path, sidecar: P
     assert mismatch is None, f"{path.name} case {case}: op {mismatch[0]}: real {mismatch[1]}, simulator {mismatch[2]}"
 
 
-def test_address_sidecars_cover_the_address_sensitive_cases():
-    covered = {(p.values[0].stem, p.values[2]) for p in _cases_with_addresses()}
-    # default, max_split_size_mb:256 and roundup_power2_divisions:4 were re-captured with addresses.
-    assert len(covered & ADDRESS_SENSITIVE) >= 7
+def test_every_config_has_an_address_sidecar():
+    truth = {p.stem for p in _truth_files() if p.parent == FIXTURES and p.name.startswith("h200-")}
+    sidecars = {p.name.replace(".addresses.json", "") for p in FIXTURES.glob("*.addresses.json")}
+    assert truth == sidecars
+
+
+class _LoggedDriver(DriverAddressSpace):
+    last: int | None = None
+
+    def alloc(self, size: int) -> int:
+        self.last = super().alloc(size)
+        return self.last
+
+
+def _segment_bases(path: Path) -> list[tuple[str, int, int, int]]:
+    """(case, op index, real base, model base) of every cudaMalloc, the file replayed in order."""
+    doc = _doc(path)
+    pointers = json.loads(path.with_name(path.stem + ".addresses.json").read_text())
+    driver = _LoggedDriver()
+    out = []
+    for name, case in doc["cases"].items():
+        sim = CachingAllocatorSim(doc["config"], address_space=driver)
+        live: dict[int, int] = {}
+        mallocs = 0
+        for index, op in enumerate(case["ops"]):
+            if op[0] == "malloc":
+                before, driver.last = sim.num_device_alloc, None
+                try:
+                    live[op[1]] = sim.malloc(op[2])
+                except SimulatedOutOfMemoryError:
+                    pass
+                if sim.num_device_alloc > before and driver.last is not None:
+                    # A new segment's first block starts at the segment's base.
+                    out.append((name, index, pointers[name][mallocs], driver.last))
+                mallocs += 1
+            elif op[0] == "free":
+                if op[1] in live:
+                    sim.free(live.pop(op[1]))
+            else:
+                sim.empty_cache()
+        for handle in live.values():
+            sim.free(handle)
+        sim.empty_cache()
+    return out
+
+
+_CUDAMALLOC_FILES = [
+    pytest.param(p, id=p.stem)
+    for p in sorted(FIXTURES.glob("h200-*.json"))
+    if not p.name.endswith(".addresses.json") and "expandable" not in p.name  # no cudaMalloc there
+]
+
+
+@pytest.mark.parametrize("path", _CUDAMALLOC_FILES)
+def test_driver_model_orders_every_real_segment_base(path: Path):
+    bases = _segment_bases(path)
+    assert len(bases) > 150
+    # Same order: sorted by the model's address, the real addresses never go down, and one model
+    # address always stands for one real address.
+    pairs = sorted({(model, real) for _, _, real, model in bases})
+    assert len({model for model, _ in pairs}) == len(pairs), "one model address, several real ones"
+    reals = [real for _, real in pairs]
+    assert reals == sorted(reals), f"{path.name}: segment bases in a different order than the model's"
+    # And the same layout: below the CUDA context, every base is the model's plus one constant (ASLR).
+    below = {real - model for _, _, real, model in bases if model < ARENA_TOP - CONTEXT_SIZE}
+    assert len(below) == 1, f"{path.name}: {len(below)} different offsets between real and model bases"
+
+
+def test_fixtures_hold_address_sensitive_cases():
+    # A mirror image of the driver's addresses (same segments, opposite order) changes the outcome
+    # of ties: if the fixtures had none, the address model would be untested by the counters.
+    class Mirrored(DriverAddressSpace):
+        def alloc(self, size: int) -> int:
+            return ARENA_TOP - super().alloc(size) - size + ARENA_TOP
+
+        def release(self, addr: int, size: int) -> None:
+            super().release(2 * ARENA_TOP - addr - size, size)
+
+    differing = []
+    for path in _truth_files():
+        doc = _doc(path)
+        for name, case in doc["cases"].items():
+            rows = replay_ops(case["ops"], doc["config"], case=name, address_space=Mirrored())
+            if first_mismatch(case["after"], rows) is not None:
+                differing.append((path.stem, name))
+    assert len(differing) >= 10, differing
 
 
 def test_the_memory_fraction_capture_really_ran_out_of_memory():

@@ -97,7 +97,8 @@ def replay_ops(
     recorded = RecordedAddresses(addresses) if addresses is not None else None
     mallocs = 0
     try:
-        sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes, address_space=recorded if recorded is not None else address_space)
+        driver = recorded if recorded is not None else address_space
+        sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes, address_space=driver)
     except AllocatorConfigError as exc:
         raise OpFileError(f"{_where(case)}: {exc}") from None
     live: dict[int, int] = {}
