@@ -42,9 +42,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume and args.out is None:
         print("error: --resume needs --out DIR (the run to finish)", file=sys.stderr)
         return 2
+    out = args.out or Path("runs") / f"{args.ladder.stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     try:
         ladder = load_ladder(args.ladder)
-        out = args.out or Path("runs") / f"{args.ladder.stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
         results = run_ladder(ladder, out, resume=args.resume, overwrite=args.overwrite)
     except (LadderError, RunDirError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -173,16 +173,21 @@ def growth_location(calls: list[dict], started_at: float, ended_at: float) -> di
     if not inside or "reserved_bytes" not in calls[inside[0]]:
         return out
 
-    def growth(i: int, key: str) -> float:
+    def growth(i: int, key: str) -> float | None:
+        """The change during call i; None for a process's first call (its state before is unknown)."""
         previous = calls[i - 1].get(key) if i > 0 and calls[i - 1].get("pid") == calls[i].get("pid") else None
-        return calls[i][key] - previous if previous is not None else 0
+        return calls[i][key] - previous if previous is not None and key in calls[i] else None
+
+    def total(key: str) -> float | None:
+        known = [g for g in (growth(i, key) for i in inside) if g is not None]
+        return sum(known) if known else None
 
     out.update(
         has_allocator=True,
-        reserved_growth_bytes=sum(growth(i, "reserved_bytes") for i in inside),
+        reserved_growth_bytes=total("reserved_bytes"),
         first_call_growth_bytes=growth(inside[0], "reserved_bytes"),
         last_call_growth_bytes=growth(inside[-1], "reserved_bytes"),
-        device_allocs=sum(growth(i, "num_device_alloc") for i in inside if "num_device_alloc" in calls[i]),
+        device_allocs=total("num_device_alloc"),
     )
     return out
 
@@ -281,9 +286,10 @@ def write_report(run_dir: str | Path) -> Path:
                         location_rows.append([f"rank {rank_id}", arm, r, s, loc["calls"], "n/a (no allocator)", "n/a", "n/a", "n/a"])
                         continue
                     location_rows.append([f"rank {rank_id}", arm, r, s, loc["calls"],
-                                          f"{loc['reserved_growth_bytes'] / MIB:+,.1f}",
-                                          f"{loc['first_call_growth_bytes'] / MIB:+,.1f}",
-                                          f"{loc['last_call_growth_bytes'] / MIB:+,.1f}", f"{loc['device_allocs']:,.0f}"])
+                                          _fmt([loc["reserved_growth_bytes"]], MIB, sign=True),
+                                          _fmt([loc["first_call_growth_bytes"]], MIB, sign=True),
+                                          _fmt([loc["last_call_growth_bytes"]], MIB, sign=True),
+                                          _fmt([loc["device_allocs"]], digits=0)])
     location = (_table(["rank", "arm", "repeat", "step", "hooked calls", "reserved growth (MiB)", "first call (MiB)",
                         "last call (MiB)", "cudaMallocs"], location_rows)
                 if location_rows else "_No hook per-call logs in this run (set MEMTEL_TARGETS in the serve env)._")

@@ -67,23 +67,24 @@ def run_ladder(ladder: Ladder, out_dir: str | Path, resume: bool = False, overwr
     out_dir = Path(out_dir)
     results = out_dir / RESULTS_FILE
     prior: list[dict] = []
-    if results.exists() and results.stat().st_size > 0:
+    holds_run = results.exists() and results.stat().st_size > 0
+    if holds_run:
         if resume:
             prior = read_records(results)
             _check_same_ladder(prior, ladder, out_dir)
-        elif overwrite:
-            for name in RUN_DIR_ENTRIES:
-                path = out_dir / name
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-        else:
+        elif not overwrite:
             raise RunDirError(f"{out_dir} already holds a run ({RESULTS_FILE}); pass --resume to finish it "
                               "or --overwrite to start over")
-    for record in unstopped_servers(prior):  # a SIGKILLed harness may have left its server behind
-        kill_stale(record["pgid"], record["command"])
-    check_reachable(ladder)  # before anything starts
+    for record in unstopped_servers(read_records(results) if holds_run else []):
+        kill_stale(record["pgid"], record["command"])  # a SIGKILLed harness may have left its server behind
+    check_reachable(ladder)  # before anything starts, and before --overwrite deletes anything
+    if holds_run and overwrite and not resume:
+        for name in RUN_DIR_ENTRIES:
+            path = out_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = RecordWriter(results)
     try:

@@ -72,3 +72,15 @@ def test_resume_and_overwrite_exclude_each_other(tmp_path):
     data, marker = ladder_with_marker_server(tmp_path)
     result = run_ab(tmp_path, data, "--resume", "--overwrite")
     assert result.returncode == 2 and "exclude each other" in result.stderr
+
+
+def test_overwrite_keeps_the_old_run_when_the_new_ladder_cannot_start(tmp_path):
+    data, marker = ladder_with_marker_server(tmp_path)
+    old = tmp_path / "run" / "results.jsonl"
+    old.parent.mkdir()
+    old.write_text('{"event": "run_start", "ts": 1.0}\n')
+    refused = run_ab(tmp_path, data)
+    assert refused.returncode == 2 and "already holds a run" in refused.stderr
+    unreachable = run_ab(tmp_path, data, "--overwrite")  # the node URL does not answer
+    assert unreachable.returncode == 2 and "is not reachable" in unreachable.stderr
+    assert old.read_text() == '{"event": "run_start", "ts": 1.0}\n' and not marker.exists()
