@@ -197,7 +197,7 @@ class _Run:
             self.http.close()
 
     def log(self, message: str) -> None:
-        self.console.print(message, highlight=False)
+        self.console.print(message, highlight=False, markup=False)
 
     # -- servers --
 
