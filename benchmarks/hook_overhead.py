@@ -16,6 +16,7 @@ launches) as a share of a 54 s TTFT.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -42,14 +43,20 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def per_call_us(fn, calls: int, finish=None) -> float:
+def per_call_us(fn, calls: int, finish=None, gc_off: bool = False) -> float:
     clock = time.perf_counter_ns
-    start = clock()
-    for _ in range(calls):
-        fn()
-    if finish is not None:  # the hooked batch includes writing its records: the writer's cost is the hook's
-        finish()
-    return (clock() - start) / calls / 1000.0
+    if gc_off:
+        gc.disable()
+    try:
+        start = clock()
+        for _ in range(calls):
+            fn()
+        if finish is not None:  # the hooked batch includes writing its records: the writer's cost is the hook's
+            finish()
+        return (clock() - start) / calls / 1000.0
+    finally:
+        if gc_off:
+            gc.enable()
 
 
 def summary(values: list[float]) -> dict:
@@ -87,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.init()
         device = torch.cuda.current_device()
         info["device"] = torch.cuda.get_device_name(device)
+        if hasattr(torch._C, "_cuda_getCurrentStream"):  # the guard's shortcut: 0 on the default stream
+            info["current_stream_id"] = torch._C._cuda_getCurrentStream(-1)[0]
         keep = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (1, 3, 30, 300)]  # noqa: F841
     else:
         info["device"] = "none (CPU only: allocator parts absent)"
@@ -130,15 +139,32 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         variants.update({"binding": binding_read, "memory_stats": torch.cuda.memory_stats,
                          "memory_reserved": torch.cuda.memory_reserved})
+    # Where the hook's time goes: its parts alone, the record path without sinks, the hooked call
+    # with the garbage collector off (record tuples are the only containers that outlive a call).
+    from telemetry.hook import allocator, guards
+    from telemetry.hook.prometheus_sink import HookStats
+    from telemetry.hook.record import Recorder, available_and_swap_free
+    bare_recorder = Recorder(exporter=None, jsonl=None, stats=HookStats())
+    text = reader.read_text()
+    parts = {"part_guard": guards.passing_through, "part_allocator_reader": allocator.current_reader(),
+             "part_meminfo_fields": lambda: available_and_swap_free(text), "part_time_time": time.time,
+             "record_without_sinks": lambda: bare_recorder.record("bench", (), {}),
+             "hooked_gc_off": hooked}
+    if cuda:
+        parts["part_capture_query"] = torch._C._cuda_isCurrentStreamCapturing
+        if hasattr(torch._C, "_cuda_getCurrentStream"):
+            parts["part_stream_query"] = lambda: torch._C._cuda_getCurrentStream(-1)
+    variants.update(parts)
     samples: dict[str, list[float]] = {name: [] for name in variants}
     overheads: list[float] = []
-    finish = {"hooked": handle.flush}
+    finish = {"hooked": handle.flush, "hooked_gc_off": handle.flush}
+    gc_off = {"hooked_gc_off"}
     for name, fn in variants.items():  # warm-up
-        per_call_us(fn, min(200, args.calls), finish.get(name))
+        per_call_us(fn, min(200, args.calls), finish.get(name), name in gc_off)
     for _ in range(args.rounds):
         round_values = {}
         for name, fn in variants.items():
-            round_values[name] = per_call_us(fn, args.calls, finish.get(name))
+            round_values[name] = per_call_us(fn, args.calls, finish.get(name), name in gc_off)
             samples[name].append(round_values[name])
         overheads.append(round_values["hooked"] - round_values["bare"])
 
@@ -149,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     naive_us = results["naive"]["median_us"]
     handle.flush()
     logged = len(Path(handle.log_path).read_text().splitlines())
-    total_calls = 1 + args.rounds * args.calls + min(200, args.calls)
+    total_calls = 1 + 2 * (args.rounds * args.calls + min(200, args.calls))
     verdict = {
         "overhead_over_floor": overhead / floor_us,
         "naive_over_overhead": naive_us / overhead,

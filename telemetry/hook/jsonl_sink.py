@@ -26,7 +26,7 @@ log = logging.getLogger("memtel.hook")
 class JsonlConfig:
     log_dir: str
     max_queue: int = 65536          # records waiting for the writer, at most (~200 bytes each)
-    flush_records: int = 256        # wake the writer when this many wait
+    flush_records: int = 4096       # wake the writer when this many wait (fewer GIL hand-overs)
     flush_interval_s: float = 0.5   # and at least this often
 
 

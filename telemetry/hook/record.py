@@ -33,12 +33,9 @@ def available_and_swap_free(text: str) -> tuple[Optional[int], Optional[int]]:
     ~55 lines (MeminfoReader.available_and_swap_free), which would more than double the host read.
     """
     start = text.find("MemAvailable:")
-    available = int(text[start + 13:text.find("kB", start)]) * 1024 if start >= 0 else None
-    swap = text.find("SwapFree:", max(start, 0))
-    if swap < 0 and start >= 0:  # not after MemAvailable on this kernel: look from the top
-        swap = text.find("SwapFree:")
-    swap_free = int(text[swap + 9:text.find("kB", swap)]) * 1024 if swap >= 0 else None
-    return available, swap_free
+    swap = text.find("SwapFree:")
+    return (int(text[start + 13:text.find("kB", start)]) * 1024 if start >= 0 else None,
+            int(text[swap + 9:text.find("kB", swap)]) * 1024 if swap >= 0 else None)
 
 
 def shape_of(args: tuple, kwargs: dict) -> Optional[list]:
@@ -100,12 +97,14 @@ class Recorder:
             reader = allocator._reader
             values = reader()
             stage = "meminfo"
-            available, swap_free = available_and_swap_free(self.meminfo.read_text())
+            # available_and_swap_free(), inlined: every call through a Python function counts here.
+            text = self.meminfo.read_text()
+            start = text.find("MemAvailable:")
+            available = int(text[start + 13:text.find("kB", start)]) * 1024 if start >= 0 else None
+            start = text.find("SwapFree:")
+            swap_free = int(text[start + 9:text.find("kB", start)]) * 1024 if start >= 0 else None
             ts = time.time()
-            shape = None
-            if self.record_shape:
-                stage = "shape"
-                shape = shape_of(args, kwargs)
+            shape = shape_of(args, kwargs) if self.record_shape else None
             stage = "record"
             stats = self.stats
             with stats.lock:
@@ -122,8 +121,8 @@ class Recorder:
                 self._start()
             if self.jsonl is not None:
                 stage = "jsonl"
-                device = reader.device if values is not None else "cpu"
-                self.jsonl.push((ts, index, site, device, values, available, swap_free, shape))
+                self.jsonl.push((ts, index, site, reader.device if values is not None else "cpu", values,
+                                 available, swap_free, shape))
         except Exception:
             self.stats.count_error(site, stage)
 

@@ -43,7 +43,7 @@ class HookConfig:
     log_dir: Optional[str] = None        # per-call JSONL log; None: no log
     record_shape: bool = False           # add [rows, cols] of the first tensor argument
     flush_interval_s: float = 0.5
-    flush_records: int = 256
+    flush_records: int = 4096
     max_queue: int = 65536
 
     def __post_init__(self) -> None:
@@ -282,7 +282,7 @@ _session: Optional[HookSession] = None
 
 def install(targets: str | Iterable[str], *, port: Optional[int] = DEFAULT_PORT, log_dir: Optional[str] = None,
             record_shape: bool = False, addr: str = "0.0.0.0", registry=None,
-            flush_interval_s: float = 0.5, flush_records: int = 256, max_queue: int = 65536) -> HookHandle:
+            flush_interval_s: float = 0.5, flush_records: int = 4096, max_queue: int = 65536) -> HookHandle:
     """Hook `targets` in this process and return the handle (see docs/hook.md).
 
     `targets`: "package.module:function", "package.module:Class.method" or preset names, as a list
