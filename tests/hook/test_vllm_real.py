@@ -20,7 +20,6 @@ token (`vllm:iteration_tokens_total_count`; a prefill chunk that samples nothing
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
