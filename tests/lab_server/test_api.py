@@ -5,25 +5,14 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness.ab.client import Tokenizer, stream_request
 from harness.ab.config import RequestSettings
 from harness.ab.prompts import build_prompt
+from tests.support.prom import metric
 
 MODEL = "lab-stock"
-
-
-def metric(url: str, name: str, labels: dict | None = None) -> float | None:
-    text = httpx.get(url, timeout=10).text
-    total = None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                total = (total or 0.0) + sample.value
-    return total
 
 
 def words(n: int, tag: str) -> str:
@@ -64,6 +53,8 @@ def test_harness_client_streams_an_exact_prompt(lab_server):
 
 
 def test_openai_client_completions(lab_server):
+    import openai  # the independent client; scripts/test installs it (the test extra)
+
     client = openai.OpenAI(base_url=lab_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     try:
         completion = client.completions.create(model=MODEL, prompt=words(700, "oa"), max_tokens=3, temperature=0)

@@ -16,7 +16,7 @@ import pytest
 from harness.lab.cost_model import CostModel
 from harness.lab.planner import PlannerConfig, plan_prefill
 from tests.lab_server.conftest import SMALL, LabServer
-from tests.lab_server.test_api import metric
+from tests.support.prom import metric
 
 
 def _ranks(server: LabServer) -> list[psutil.Process]:

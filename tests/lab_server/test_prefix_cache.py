@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from harness.lab.prefix_cache import PrefixCache, block_hashes
-from tests.lab_server.test_api import metric
+from tests.support.prom import metric
 
 
 def test_block_hashes_chain_over_full_blocks_only():

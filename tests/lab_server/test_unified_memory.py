@@ -112,7 +112,7 @@ def test_lab_server_ranks_hold_their_reserved_memory_in_host_pages(tmp_path):
         response = httpx.post(server.url + "/v1/completions", timeout=120,
                               json={"prompt": " ".join(f"u{i}" for i in range(16384)), "max_tokens": 1})
         assert response.status_code == 200
-        from tests.lab_server.test_api import metric
+        from tests.support.prom import metric
 
         for rank, process in enumerate(ranks):
             reserved = metric(server.rank_url(rank), "memtel_allocator_reserved_bytes")
