@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from harness.lab.engine import ALLOCATORS
+from harness.ports import free_port_block
 
 DEFAULT_STEPS = ((100_000, "cold-100k"), (100_000, "cold-100k-b"), (200_000, "cold-200k"))
 DEMO_MODEL = "lab"
@@ -103,29 +104,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 # --- processes ---------------------------------------------------------------------------------
-
-
-def free_ports(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A base port such that base .. base+count-1 are free now."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        sockets = []
-        try:
-            for offset in range(count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind((host, base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no block of {count} free ports on {host}")
 
 
 def _die_with_parent() -> None:
@@ -268,7 +246,7 @@ def run_demo(shape: DemoShape, steps: list[tuple[int, str]], out: Path, overwrit
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     # One block of free ports: the daemon, then per arm the server and its ranks' exporters.
-    base = free_ports(1 + 2 * (1 + shape.ranks))
+    base = free_port_block(1 + 2 * (1 + shape.ranks))
     daemon = Daemon(base, out / "daemon-state", out / "logs" / "daemon.log")
     ports = {arm: (base + 1 + i * (1 + shape.ranks), base + 2 + i * (1 + shape.ranks))
              for i, arm in enumerate(("stock", "fixed"))}
