@@ -1,10 +1,16 @@
 """The per-call JSONL log: one file per process, written by a background thread.
 
-The hot path appends a tuple to a bounded deque (no lock, no I/O, no JSON). A writer thread turns
-the tuples into JSON lines and writes them when `flush_records` are waiting or every
-`flush_interval_s`, and at exit. When the deque is full the record is dropped and counted, so a
-stalled disk never blocks the serving thread. File: `<log_dir>/memtel-calls-rank<rank>-pid<pid>.jsonl`
-(format in docs/architecture.md).
+The hot path formats its record into one line (a `%` template per site, built once) and appends
+the string to a bounded deque: no lock, no I/O, no json module. A writer thread joins the waiting
+lines and writes them when `flush_records` are waiting or every `flush_interval_s`, and at exit.
+When the deque is full the record is dropped and counted, so a stalled disk never blocks the
+serving thread. File: `<log_dir>/memtel-calls-rank<rank>-pid<pid>.jsonl` (format in
+docs/architecture.md).
+
+Why format on the hot path: the writer thread shares the GIL with the serving thread, so the
+formatting costs the serving thread the same time on either thread; done here it needs no
+intermediate record tuple, and a queued string is not tracked by the garbage collector (a queue of
+tuples is: thousands of them alive between flushes made collections more frequent and slower).
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ from telemetry.hook.allocator import FIELDS
 
 log = logging.getLogger("memtel.hook")
 
+NS_PER_S = 1_000_000_000
+
 
 @dataclass(frozen=True)
 class JsonlConfig:
     log_dir: str
-    max_queue: int = 65536          # records waiting for the writer, at most (~200 bytes each)
+    max_queue: int = 65536          # records waiting for the writer, at most (~300 bytes each)
     flush_records: int = 4096       # wake the writer when this many wait (fewer GIL hand-overs)
     flush_interval_s: float = 0.5   # and at least this often
 
@@ -34,9 +42,10 @@ def log_path(log_dir: str, rank: int, pid: int) -> str:
     return os.path.join(log_dir, f"memtel-calls-rank{rank}-pid{pid}.jsonl")
 
 
-# A queued record: (ts, call, site, device, allocator values or None, mem_available, swap_free, shape)
+# A record: (ts, call, site, device, allocator values or None, mem_available, swap_free, shape);
+# ts in unix seconds (float) here, in integer nanoseconds on the hot path.
 def format_record(item: tuple, rank: int, pid: int, node: str) -> str:
-    """The record as one JSON line (the reference formatter; RecordFormatter is the fast one)."""
+    """The record as one JSON line, without the newline (the reference formatter)."""
     ts, call, site, device, allocator, available, swap_free, shape = item
     record = {"ts": ts, "call": call, "site": site, "rank": rank, "pid": pid, "node": node, "device": device}
     if allocator is not None:
@@ -49,29 +58,41 @@ def format_record(item: tuple, rank: int, pid: int, node: str) -> str:
 
 
 class RecordFormatter:
-    """Formats records as format_record does, five times faster: the writer shares the GIL with the
-    serving thread, so its cost per record counts too. The per-site part is escaped once."""
+    """Formats records as format_record does, with one `%` per record (JsonlSink.push inlines it).
+
+    The per-site part (site, rank, pid, node, device) is JSON-escaped once into a template. `ts` is
+    written from integer nanoseconds as `<seconds>.<9 digits>`: a JSON float, like format_record's,
+    without the float-to-shortest-string conversion that cost a third of a line.
+    """
 
     def __init__(self, rank: int, pid: int, node: str) -> None:
         self.rank, self.pid, self.node = rank, pid, node
-        self._heads: dict = {}
+        self.templates: dict = {}   # (site, device, with allocator) -> template
 
-    def __call__(self, item: tuple) -> str:
-        ts, call, site, device, a, available, swap_free, shape = item
-        if available is None or swap_free is None or type(ts) is not float:
-            return format_record(item, self.rank, self.pid, self.node)
-        head = self._heads.get((site, device))
-        if head is None:
-            head = self._heads[(site, device)] = json.dumps(
-                {"site": site, "rank": self.rank, "pid": self.pid, "node": self.node, "device": device},
-                separators=(",", ":"))[1:-1]
-        tail = "}" if shape is None else f',"shape":{json.dumps(shape)}}}'
-        if a is None:
-            return (f'{{"ts":{ts!r},"call":{call},{head},"mem_available_bytes":{available},'
-                    f'"swap_free_bytes":{swap_free}{tail}')
-        return (f'{{"ts":{ts!r},"call":{call},{head},"reserved_bytes":{a[0]},"allocated_bytes":{a[1]},'
-                f'"num_device_alloc":{a[2]},"num_device_free":{a[3]},"num_alloc_retries":{a[4]},'
-                f'"num_ooms":{a[5]},"mem_available_bytes":{available},"swap_free_bytes":{swap_free}{tail}')
+    def template(self, site: str, device: str, with_allocator: bool) -> str:
+        key = (site, device, with_allocator)
+        template = self.templates.get(key)
+        if template is None:
+            head = json.dumps({"site": site, "rank": self.rank, "pid": self.pid, "node": self.node,
+                               "device": device}, separators=(",", ":"))[1:-1].replace("%", "%%")
+            fields = "".join(f',"{name}":%d' for name in FIELDS) if with_allocator else ""
+            template = self.templates[key] = (
+                f'{{"ts":%d.%09d,"call":%d,{head}{fields},"mem_available_bytes":%d,"swap_free_bytes":%d}}\n')
+        return template
+
+    def __call__(self, ts_ns: int, call: int, site: str, device: str, allocator: Optional[tuple],
+                 available: Optional[int], swap_free: Optional[int], shape: Optional[list]) -> str:
+        """One line, newline included."""
+        if available is None or swap_free is None:  # rare: the reference path
+            item = (ts_ns / NS_PER_S, call, site, device, allocator, available, swap_free, shape)
+            return format_record(item, self.rank, self.pid, self.node) + "\n"
+        seconds, fraction = divmod(ts_ns, NS_PER_S)
+        template = self.template(site, device, allocator is not None)
+        allocator_values = () if allocator is None else tuple(allocator)
+        line = template % ((seconds, fraction, call) + allocator_values + (available, swap_free))
+        if shape is not None:  # opt-in: the last field
+            line = f'{line[:-2]},"shape":{json.dumps(shape, separators=(",", ":"))}}}\n'
+        return line
 
 
 class JsonlSink:
@@ -82,13 +103,18 @@ class JsonlSink:
         self.dropped = 0
         self._drop_lock = threading.Lock()
         self.written = 0
-        self._queue: collections.deque = collections.deque()
+        self._queue: collections.deque = collections.deque()   # formatted lines
+        self._early: list = []   # records pushed before open() (another thread's first call): formatted at flush
         self._wake = threading.Event()
         self._stop = False
         self._io_lock = threading.RLock()  # re-entrant: a SIGTERM flush may interrupt a flush
         self._thread: Optional[threading.Thread] = None
         self._file = None
         self._rank: Optional[int] = None
+        self._format: Optional[RecordFormatter] = None
+        self._templates: Optional[dict] = None   # self._format.templates once open
+        self._max_queue = config.max_queue
+        self._flush_records = config.flush_records
         self._pid = os.getpid()
         self.path: Optional[str] = None
 
@@ -96,21 +122,47 @@ class JsonlSink:
         """Name the file and start the writer: called once, at the first record (rank known)."""
         self._rank = rank
         self._pid = os.getpid()
-        self._format = RecordFormatter(rank, self._pid, self.node)
         self.path = log_path(self.config.log_dir, rank, self._pid)
+        self._format = RecordFormatter(rank, self._pid, self.node)
+        self._templates = self._format.templates
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="memtel-jsonl-writer", daemon=True)
         self._thread.start()
 
     # hot path
-    def push(self, item: tuple) -> None:
+    def push(self, ts_ns: int, call: int, site: str, device: str, allocator: Optional[tuple],
+             available: Optional[int], swap_free: Optional[int], shape: Optional[list] = None) -> None:
+        """Format the record into its line and queue it (RecordFormatter's common case, inlined:
+        a Python call less per record)."""
         queue = self._queue
-        if len(queue) >= self.config.max_queue:
+        if len(queue) >= self._max_queue:
             with self._drop_lock:
                 self.dropped += 1
             return
-        queue.append(item)
-        if len(queue) >= self.config.flush_records and not self._wake.is_set():
+        templates = self._templates
+        template = (templates.get((site, device, allocator is not None))
+                    if templates is not None and shape is None and available is not None and swap_free is not None
+                    else None)
+        if template is None:  # first record of a site, a rare field, or not open yet
+            self._push_slow(ts_ns, call, site, device, allocator, available, swap_free, shape)
+            return
+        seconds, fraction = divmod(ts_ns, NS_PER_S)
+        if allocator is None:
+            queue.append(template % (seconds, fraction, call, available, swap_free))
+        else:
+            a = allocator
+            queue.append(template % (seconds, fraction, call, a[0], a[1], a[2], a[3], a[4], a[5],
+                                     available, swap_free))
+        if len(queue) >= self._flush_records and not self._wake.is_set():
+            self._wake.set()
+
+    def _push_slow(self, *record) -> None:
+        format = self._format
+        if format is None:  # another thread's record while the first one opens the log
+            self._early.append(record)
+            return
+        self._queue.append(format(*record))
+        if len(self._queue) >= self._flush_records:
             self._wake.set()
 
     # writer side
@@ -126,25 +178,23 @@ class JsonlSink:
 
     def flush(self) -> None:
         """Write every waiting record now (writer thread, exit, SIGTERM)."""
-        if self._rank is None:
+        format = self._format
+        if format is None:
             return
         with self._io_lock:
-            lines = []
+            early = self._early   # never swapped: a late append stays for the next flush
+            lines = [format(*early.pop(0)) for _ in range(len(early))]
             queue = self._queue
-            format = self._format
-            while True:
-                try:
-                    item = queue.popleft()
-                except IndexError:
-                    break
-                lines.append(format(item))
+            popleft = queue.popleft
+            # Only what is queued now: the hot path appends concurrently, on the right.
+            lines += [popleft() for _ in range(len(queue))]
             if not lines:
                 return
             try:
                 if self._file is None:
                     os.makedirs(self.config.log_dir, exist_ok=True)
                     self._file = open(self.path, "a", encoding="utf-8")
-                self._file.write("\n".join(lines) + "\n")
+                self._file.write("".join(lines))
                 self._file.flush()
             except Exception:
                 with self._drop_lock:
@@ -169,12 +219,15 @@ class JsonlSink:
     def reset_after_fork(self) -> None:
         """In a forked child: the parent's queue, file and thread are not ours."""
         self._queue = collections.deque()
+        self._early = []
         self._wake = threading.Event()
         self._io_lock = threading.RLock()
         self._drop_lock = threading.Lock()
         self._thread = None
         self._file = None
         self._rank = None
+        self._format = None
+        self._templates = None
         self.path = None
         self.dropped = 0
         self.written = 0

@@ -28,7 +28,7 @@ GiB = 1 << 30
 RESERVED_DELTA_BUCKETS = (0, MiB, 2 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, GiB, 4 * GiB, 16 * GiB)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: faster attribute updates on the hot path
 class SiteStats:
     """What the hook knows about one site (hooked target) in this process."""
 
@@ -50,10 +50,11 @@ class SiteStats:
                 if allocator[2] > previous[2]:
                     self.growth_events += 1
                 delta = allocator[0] - previous[0]
-                if delta < 0:
-                    delta = 0
-                self.delta_buckets[bisect.bisect_left(RESERVED_DELTA_BUCKETS, delta)] += 1
-                self.delta_sum += delta
+                if delta > 0:
+                    self.delta_buckets[bisect.bisect_left(RESERVED_DELTA_BUCKETS, delta)] += 1
+                    self.delta_sum += delta
+                else:  # most calls: no growth (a decrease counts as 0), the first bucket without a search
+                    self.delta_buckets[0] += 1
                 self.delta_count += 1
         self.mem_available_bytes = mem_available
         self.swap_free_bytes = swap_free

@@ -193,6 +193,36 @@ def test_fast_meminfo_fields_match_the_parser():
     assert available_and_swap_free("MemTotal: 1 kB\n") == (None, None)
 
 
+class _ShiftingMeminfo:
+    """A MeminfoReader stand-in whose SwapFree line moves between reads (wider numbers, other kernels)."""
+
+    def __init__(self, texts):
+        self.texts = list(texts)
+
+    def read_text(self):
+        return self.texts.pop(0)
+
+
+def test_the_hot_path_finds_swap_free_wherever_it_moves():
+    from telemetry.hook.prometheus_sink import HookStats
+    from telemetry.hook.record import Recorder
+
+    base = MeminfoReader().read_text()
+    texts = [base,
+             base.replace("MemTotal:", "MemTotal:" + " " * 50),          # SwapFree 50 characters later
+             base.replace("MemTotal:", "MemTotal:" + " " * 500),         # far later
+             "MemAvailable:  7 kB\nSwapFree:       9 kB\n",              # before where it was
+             "MemAvailable:  7 kB\n"]                                   # absent
+    recorder = Recorder(exporter=None, jsonl=None, stats=HookStats(), meminfo=_ShiftingMeminfo(texts))
+    expected = [available_and_swap_free(text)[1] for text in texts]
+    seen = []
+    for _ in expected:
+        recorder.record("t", (), {})
+        seen.append(recorder.stats.sites["t"].swap_free_bytes)
+    assert seen == expected and expected[-2:] == [9 * 1024, None]
+    assert not recorder.stats.errors
+
+
 def test_torch_compile_traces_through_without_recording_or_graph_breaks(make_module):
     torch = pytest.importorskip("torch")
     name = make_module("def scale(x):\n    return x * 2\n")

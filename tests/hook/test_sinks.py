@@ -119,23 +119,39 @@ def test_writer_flushes_on_the_time_bound_without_exit(make_module, tmp_path):
 
 
 @pytest.mark.parametrize("item", [
-    (1795000000.25, 0, "pkg.mod:f", "cuda:0", (1 << 30, 5, 7, 1, 0, 0), 123 << 20, 0, None),
-    (1795000000.5, 9, "pkg.mod:Class.m", "cpu", None, 4096, 8192, [4, 7]),
-    (1795000001.0, 2, 'odd"site\\name', "sim", (0, 0, 0, 0, 0, 0), None, 5, [1, 1]),
+    (1795000000_250000000, 0, "pkg.mod:f", "cuda:0", (1 << 30, 5, 7, 1, 0, 0), 123 << 20, 0, None),
+    (1795000000_500000000, 9, "pkg.mod:Class.m", "cpu", None, 4096, 8192, [4, 7]),
+    (1795000001_000000000, 2, 'odd"site\\name%d', "sim", (0, 0, 0, 0, 0, 0), None, 5, [1, 1]),
+    (1795000001_000000123, 3, 'odd"site\\name%d', "sim", (0, 0, 0, 0, 0, 0), 7, 5, None),
+    (1795000002_999999999, 4, "pkg.mod:f", "cpu", None, 4096, 8192, None),
 ])
 def test_fast_formatter_writes_exactly_the_reference_json(item):
     fast = RecordFormatter(rank=3, pid=77, node="node-1")
-    line = fast(item)
-    assert json.loads(line) == json.loads(format_record(item, 3, 77, "node-1"))
-    assert list(json.loads(line)) == list(json.loads(format_record(item, 3, 77, "node-1")))  # key order too
+    line = fast(*item)
+    assert line.endswith("}\n") and line.count("\n") == 1
+    reference = format_record((item[0] / 1e9, *item[1:]), 3, 77, "node-1")
+    parsed, expected = json.loads(line), json.loads(reference)
+    assert type(parsed["ts"]) is float and parsed.pop("ts") == pytest.approx(expected.pop("ts"), abs=1e-6)
+    assert parsed == expected
+    assert list(parsed) == list(expected)  # key order too
 
 
 def test_log_file_name_has_rank_and_pid(tmp_path):
     sink = JsonlSink(JsonlConfig(str(tmp_path)), node="n")
     sink.open(rank=5)
-    sink.push((time.time(), 0, "a:b", "cpu", None, 1, 2, None))
+    sink.push(time.time_ns(), 0, "a:b", "cpu", None, 1, 2, None)
     sink.close()
     assert [p.name for p in tmp_path.iterdir()] == [f"memtel-calls-rank5-pid{os.getpid()}.jsonl"]
+
+
+def test_a_record_pushed_before_open_is_written_after_it(tmp_path):
+    sink = JsonlSink(JsonlConfig(str(tmp_path)), node="n")
+    sink.push(time.time_ns(), 0, "a:b", "cpu", None, 1, 2, None)  # another thread's first call, mid-open
+    sink.open(rank=0)
+    sink.push(time.time_ns(), 1, "a:b", "cpu", None, 1, 2, None)
+    sink.close()
+    records = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
+    assert [r["call"] for r in records] == [0, 1] and records[0]["pid"] == os.getpid()
 
 
 def _listening(port: int) -> bool:
