@@ -28,34 +28,24 @@ DEFAULT_SIM_SCALE = 0.25  # keeps the demo's host-backed memory near 2.5 GiB on 
 DEFAULT_SIM_TIME_SCALE = 0.05
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _checked(convert, accept, expected: str):
+    """An argparse type: `convert` the text, then require `accept(value)`; errors say what is expected."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+
+    return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+_fraction = _checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_non_negative = _checked(float, lambda v: v >= 0, "a number >= 0")
 
 
 def default_allocator() -> str:
