@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     # records are strings; this variant checks that the collector costs nothing).
     from telemetry.hook import allocator, guards
     from telemetry.hook.prometheus_sink import HookStats
-    from telemetry.hook.record import Recorder, available_and_swap_free
+    from telemetry.hook.record import Recorder
+    from telemetry.procfs.meminfo import parse_available_and_swap_free as available_and_swap_free
     bare_recorder = Recorder(exporter=None, jsonl=None, stats=HookStats())
     text = reader.read_text()
     parts = {"part_guard": guards.passing_through, "part_allocator_reader": allocator.current_reader(),

@@ -26,18 +26,6 @@ from telemetry.procfs.meminfo import MeminfoReader
 log = logging.getLogger("memtel.hook")
 
 
-def available_and_swap_free(text: str) -> tuple[Optional[int], Optional[int]]:
-    """MemAvailable and SwapFree (bytes) from meminfo text, by `str.find` only.
-
-    The hot path needs just these two lines: finding them costs about a tenth of splitting all
-    ~55 lines (MeminfoReader.available_and_swap_free), which would more than double the host read.
-    """
-    start = text.find("MemAvailable:")
-    swap = text.find("SwapFree:")
-    return (int(text[start + 13:text.find("kB", start)]) * 1024 if start >= 0 else None,
-            int(text[swap + 9:text.find("kB", swap)]) * 1024 if swap >= 0 else None)
-
-
 def shape_of(args: tuple, kwargs: dict) -> Optional[list]:
     """[rows, cols] of the first tensor-like argument (a tuple's first item counts: (q, scale))."""
     for value in (*args, *kwargs.values()):
@@ -98,7 +86,7 @@ class Recorder:
             reader = allocator._reader
             values = reader()
             stage = "meminfo"
-            # available_and_swap_free(), inlined: every call through a Python function counts here.
+            # procfs.meminfo.parse_available_and_swap_free, inlined: a Python call costs here.
             text = self.meminfo.read_text()
             start = text.find("MemAvailable:")
             available = int(text[start + 13:text.find("kB", start)]) * 1024 if start >= 0 else None

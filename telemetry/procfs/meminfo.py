@@ -32,6 +32,18 @@ def parse_meminfo(text: str) -> dict[str, int]:
     return values
 
 
+def parse_available_and_swap_free(text: str) -> tuple[int | None, int | None]:
+    """MemAvailable and SwapFree in bytes, found with `str.find` only (None when absent).
+
+    The hook needs just these two lines after every call: finding them costs about a tenth of
+    splitting all ~55 lines, which would more than double the host read.
+    """
+    start = text.find("MemAvailable:")
+    swap = text.find("SwapFree:")
+    return (int(text[start + 13:text.find("kB", start)]) * 1024 if start >= 0 else None,
+            int(text[swap + 9:text.find("kB", swap)]) * 1024 if swap >= 0 else None)
+
+
 class MeminfoReader:
     """Reads /proc/meminfo through one kept-open descriptor (pread from offset 0).
 
@@ -55,14 +67,8 @@ class MeminfoReader:
         return parse_meminfo(self.read_text())
 
     def available_and_swap_free(self) -> tuple[int | None, int | None]:
-        """MemAvailable and SwapFree in bytes, scanning only for those two lines."""
-        available = swap_free = None
-        for line in self.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-            elif line.startswith("SwapFree:"):
-                swap_free = int(line.split()[1]) * 1024
-        return available, swap_free
+        """MemAvailable and SwapFree in bytes (see parse_available_and_swap_free)."""
+        return parse_available_and_swap_free(self.read_text())
 
     def close(self) -> None:
         if self._fd is not None:

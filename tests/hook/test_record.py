@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry
 import telemetry
 from telemetry.hook import set_allocator_source
 from telemetry.hook.prometheus_sink import RESERVED_DELTA_BUCKETS
-from telemetry.hook.record import available_and_swap_free, shape_of
+from telemetry.hook.record import shape_of
+from telemetry.procfs.meminfo import parse_available_and_swap_free as available_and_swap_free
 from telemetry.procfs.meminfo import MeminfoReader, parse_meminfo
 
 ROOT = Path(__file__).resolve().parents[2]
