@@ -100,9 +100,15 @@ class JsonlSink:
         self.config = config
         self.node = node
         self.on_error = on_error  # counts a failed write in memtel_hook_errors_total
+        self._max_queue = config.max_queue
+        self._flush_records = config.flush_records
+        self._reset_process_state()
+
+    def _reset_process_state(self) -> None:
+        """What belongs to one process: a forked child starts again from here."""
         self.dropped = 0
-        self._drop_lock = threading.Lock()
         self.written = 0
+        self._drop_lock = threading.Lock()
         self._queue: collections.deque = collections.deque()   # formatted lines
         self._early: list = []   # records pushed before open() (another thread's first call): formatted at flush
         self._wake = threading.Event()
@@ -113,8 +119,6 @@ class JsonlSink:
         self._rank: Optional[int] = None
         self._format: Optional[RecordFormatter] = None
         self._templates: Optional[dict] = None   # self._format.templates once open
-        self._max_queue = config.max_queue
-        self._flush_records = config.flush_records
         self._pid = os.getpid()
         self.path: Optional[str] = None
 
@@ -218,16 +222,4 @@ class JsonlSink:
 
     def reset_after_fork(self) -> None:
         """In a forked child: the parent's queue, file and thread are not ours."""
-        self._queue = collections.deque()
-        self._early = []
-        self._wake = threading.Event()
-        self._io_lock = threading.RLock()
-        self._drop_lock = threading.Lock()
-        self._thread = None
-        self._file = None
-        self._rank = None
-        self._format = None
-        self._templates = None
-        self.path = None
-        self.dropped = 0
-        self.written = 0
+        self._reset_process_state()
