@@ -7,7 +7,7 @@ counts and are returned as they are.
 
 from __future__ import annotations
 
-import os
+from telemetry.procfs.procfile import ProcFile
 
 MEMINFO_PATH = "/proc/meminfo"
 
@@ -44,24 +44,11 @@ def parse_available_and_swap_free(text: str) -> tuple[int | None, int | None]:
             int(text[swap + 9:text.find("kB", swap)]) * 1024 if swap >= 0 else None)
 
 
-class MeminfoReader:
-    """Reads /proc/meminfo through one kept-open descriptor (pread from offset 0).
-
-    Re-opening the file on every read costs about three times as much; the hook reads
-    it after every hooked call, so the descriptor is opened once per process.
-    """
+class MeminfoReader(ProcFile):
+    """/proc/meminfo through a kept-open descriptor: the hook reads it after every hooked call."""
 
     def __init__(self, path: str = MEMINFO_PATH) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self._pid = -1
-
-    def read_text(self) -> str:
-        pid = os.getpid()
-        if self._fd is None or self._pid != pid:  # a forked child must not share the parent's offset
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            self._pid = pid
-        return os.pread(self._fd, 16384, 0).decode("ascii", "replace")
+        super().__init__(path, size=16384)
 
     def read(self) -> dict[str, int]:
         return parse_meminfo(self.read_text())
@@ -69,8 +56,3 @@ class MeminfoReader:
     def available_and_swap_free(self) -> tuple[int | None, int | None]:
         """MemAvailable and SwapFree in bytes (see parse_available_and_swap_free)."""
         return parse_available_and_swap_free(self.read_text())
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from telemetry.procfs.meminfo import MEMINFO_PATH, MeminfoReader, parse_meminfo
+from telemetry.procfs.meminfo import MEMINFO_PATH, MeminfoReader
 
 # (metric name, meminfo field, help); a field the kernel lacks leaves its metric out.
 _GAUGES = (
@@ -46,7 +46,7 @@ class MeminfoCollector:
         self.reader = MeminfoReader(path)
 
     def collect(self) -> list[Metric]:
-        values = parse_meminfo(self.reader.read_text())
+        values = self.reader.read()
         if "MemTotal" not in values:
             raise ValueError(f"{self.reader.path} has no MemTotal line: not a meminfo file")
         return list(meminfo_families(values))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from telemetry.daemon.collectors.procfile import ProcFile
+from telemetry.procfs.procfile import ProcFile
 from telemetry.procfs.pressure import PRESSURE_MEMORY_PATH, PressureLine, parse_pressure
 
 _HELP = {

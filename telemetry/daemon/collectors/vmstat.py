@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from telemetry.daemon.collectors.procfile import ProcFile
+from telemetry.procfs.procfile import ProcFile
 from telemetry.procfs.vmstat import VMSTAT_PATH, parse_vmstat
 
 # (vmstat field, help); metric names are memtel_node_vmstat_<field>_total.
