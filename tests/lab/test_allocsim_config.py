@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from harness.lab.allocsim.config import SIZE_MAX, AllocatorConfigError, parse_alloc_conf
@@ -39,8 +41,9 @@ def test_roundup_list_form():
     assert config.divisions_for(100) == 1
 
 
-def test_ignored_keys_are_accepted():
-    parse_alloc_conf("release_lock_on_cudamalloc:True,pinned_use_cuda_host_register:False")
+def test_ignored_keys_are_accepted_and_change_nothing_the_simulator_models():
+    config = parse_alloc_conf("release_lock_on_cudamalloc:True,pinned_use_cuda_host_register:False")
+    assert dataclasses.replace(config, source="") == parse_alloc_conf("")
 
 
 @pytest.mark.parametrize(
