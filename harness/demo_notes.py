@@ -28,37 +28,12 @@ class StepPrediction:
     chunk_step_growth: list[int]  # reserved growth at each chunk step of this request, in bytes
 
 
-class _ScaledSimBackend:
-    """replay's simulator backend with every launch's rows scaled, as the lab ranks scale them."""
-
-    def __init__(self, scale: float) -> None:
-        from harness.lab.allocsim import CachingAllocatorSim
-
-        self.scale = scale
-        # The ranks' allocator settings: PYTORCH_CUDA_ALLOC_CONF, which they inherit.
-        self.sim = CachingAllocatorSim(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
-
-    def launch(self, rows: int, width: int, kv_len: int) -> Any:
-        from harness.lab import indexer
-
-        return indexer.indexer_logits_launch(self.sim, max(1, math.ceil(rows * self.scale)), width, kv_len)
-
-    def alloc(self, nbytes: int) -> Any:
-        return self.sim.malloc(nbytes)
-
-    def release(self, handle: Any) -> None:
-        self.sim.free(handle)
-
-    def counters(self) -> list[int]:
-        s = self.sim
-        return [s.reserved_bytes, s.allocated_bytes, s.num_device_alloc, s.num_device_free]
-
-
 def predict(shape: Any, steps: list[tuple[int, str]], arm: str) -> list[StepPrediction]:
     """Reserved bytes and cudaMallocs of one rank after each prompt of the ladder, per `memtel replay`."""
-    from harness.lab.replay import ArmSpec, ReplayParams, run_arm
+    from harness.lab.replay import ArmSpec, ReplayParams, SimBackend, run_arm
 
-    backend = _ScaledSimBackend(shape.scale)
+    # The ranks' allocator settings are PYTORCH_CUDA_ALLOC_CONF, which they inherit.
+    backend = SimBackend(ArmSpec(arm, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")), None, row_scale=shape.scale)
     out = []
     for tokens, label in steps:
         params = ReplayParams(tokens=tokens, chunk=shape.chunk, layers=shape.layers,

@@ -8,9 +8,15 @@ function. torch is imported only when a CUDA backend is used.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 FLOAT32_BYTES = 4
+
+
+def scaled_rows(rows: int, scale: float) -> int:
+    """Rows of a launch at `scale` (the lab's --scale shrinks every launch's bytes; at least one row)."""
+    return rows if scale == 1.0 else max(1, math.ceil(rows * scale))
 
 
 def _is_simulator(backend: Any) -> bool:

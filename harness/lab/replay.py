@@ -90,9 +90,11 @@ class ArmTrace:
 # ---- backends ------------------------------------------------------------------------------
 
 
-class _SimBackend:
-    def __init__(self, arm: ArmSpec, capacity_bytes: int | None) -> None:
+class SimBackend:
+    def __init__(self, arm: ArmSpec, capacity_bytes: int | None, row_scale: float = 1.0) -> None:
         from harness.lab.allocsim import CachingAllocatorSim, DriverAddressSpace
+
+        self.row_scale = row_scale  # the lab server's --scale, for predictions of its ranks
 
         driver = DriverAddressSpace()  # one process: both pools' segments come from one driver
         self.main = CachingAllocatorSim(arm.alloc_conf, capacity_bytes=capacity_bytes, address_space=driver)
@@ -104,6 +106,7 @@ class _SimBackend:
         )
 
     def launch(self, rows: int, width: int, kv_len: int) -> Any:
+        rows = indexer.scaled_rows(rows, self.row_scale)
         return (self.logits, indexer.indexer_logits_launch(self.logits, rows, width, kv_len))
 
     def alloc(self, nbytes: int) -> Any:
@@ -298,7 +301,7 @@ def _trace_dict(trace: ArmTrace) -> dict[str, Any]:
 
 
 def run_sim_arm(params: ReplayParams, arm: ArmSpec, capacity_bytes: int | None = None) -> dict[str, Any]:
-    trace, steps = run_arm(params, arm, _SimBackend(arm, capacity_bytes))
+    trace, steps = run_arm(params, arm, SimBackend(arm, capacity_bytes))
     return {"summary": summarize(params, arm, trace, steps), "trace": _trace_dict(trace)}
 
 

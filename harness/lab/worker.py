@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 import signal
 import sys
@@ -187,7 +186,9 @@ class Rank:
         indexer.indexer_logits_launch(self.backend.target, 0, 0, 0)
 
     def scaled_rows(self, rows: int) -> int:
-        return max(1, math.ceil(rows * self.config.scale))
+        from harness.lab.indexer import scaled_rows
+
+        return scaled_rows(rows, self.config.scale)
 
     def prefill(self, start_token: int, tokens: int) -> dict:
         from harness.lab import indexer

@@ -48,9 +48,9 @@ def test_reference_shape_stock_grows_every_chunk_until_the_budget_fixed_is_flat(
 def test_new_segments_are_attributed_to_steps_and_layers():
     params = ReplayParams(tokens=32_768, layers=3)
     arm = ArmSpec("stock")
-    from harness.lab.replay import _SimBackend
+    from harness.lab.replay import SimBackend
 
-    trace, steps = run_arm(params, arm, _SimBackend(arm, None))
+    trace, steps = run_arm(params, arm, SimBackend(arm, None))
     summary = summarize(params, arm, trace, steps)
     assert sum(seg["device_allocs"] for seg in summary["new_segments"]) == summary["device_allocs"]
     assert {seg["step"] for seg in summary["new_segments"]} == set(summary["steps_with_growth"])
