@@ -11,7 +11,8 @@ pip_quiet() { PYTHONWARNINGS=ignore "$@" 2>&1 | { grep -v -e "^WARNING: Location
 
 log() { printf '[memtel setup] %s\n' "$*" >&2; }
 
-stamp_of() { cat "$ROOT/pyproject.toml" "$ROOT/scripts/lib/setup.sh" | sha256sum | cut -c1-16; echo "$*"; }
+# What an install depends on: the package metadata, the compiled part and this script.
+stamp_of() { cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/telemetry/procfs/*.c "$ROOT/scripts/lib/setup.sh" | sha256sum | cut -c1-16; echo "$*"; }
 
 # ensure_venv EXTRAS: .venv with memtel installed editable, with the given extras ("" or "test").
 ensure_venv() {

@@ -37,7 +37,7 @@ class CudaAllocatorReader:
         self._torch = None
         self.device = None
 
-    def __call__(self) -> Optional[AllocatorStats]:
+    def read(self) -> Optional[AllocatorStats]:
         binding = self._binding
         if binding is None:
             binding = self._bind()
@@ -51,6 +51,8 @@ class CudaAllocatorReader:
         return (stats["reserved_bytes"]["all"]["current"], stats["allocated_bytes"]["all"]["current"],
                 stats["num_device_alloc"], stats["num_device_free"], stats["num_alloc_retries"],
                 stats["num_ooms"])
+
+    __call__ = read
 
     def _bind(self) -> Optional[Callable]:
         torch = self._torch or sys.modules.get("torch")
@@ -79,11 +81,13 @@ class DictSourceReader:
     def reset(self) -> None:
         pass
 
-    def __call__(self) -> Optional[AllocatorStats]:
+    def read(self) -> Optional[AllocatorStats]:
         stats = self.source()
         if stats is None:
             return None
         return tuple(int(stats[name]) for name in FIELDS)
+
+    __call__ = read
 
 
 _lock = threading.Lock()

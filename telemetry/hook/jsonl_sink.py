@@ -28,6 +28,7 @@ from telemetry.hook.allocator import FIELDS
 log = logging.getLogger("memtel.hook")
 
 NS_PER_S = 1_000_000_000
+WRITE_CHUNK_LINES = 128   # lines joined per write (~300 bytes each)
 
 
 @dataclass(frozen=True)
@@ -57,42 +58,62 @@ def format_record(item: tuple, rank: int, pid: int, node: str) -> str:
     return json.dumps(record, separators=(",", ":"))
 
 
-class RecordFormatter:
-    """Formats records as format_record does, with one `%` per record (JsonlSink.push inlines it).
+# A line is a per-site head (ts, call and the fixed site/rank/pid/node/device, JSON-escaped once),
+# then the allocator part, then the memory part, which closes the object.
+ALLOCATOR_PART = "".join(f',"{name}":%d' for name in FIELDS)
+MEMORY_PART = ',"mem_available_bytes":%d,"swap_free_bytes":%d}\n'
 
-    The per-site part (site, rank, pid, node, device) is JSON-escaped once into a template. `ts` is
-    written from integer nanoseconds as `<seconds>.<9 digits>`: a JSON float, like format_record's,
-    without the float-to-shortest-string conversion that cost a third of a line.
+
+class SiteLine:
+    """One site's line parts: the head template and the last allocator and memory parts.
+
+    Consecutive records of a site mostly repeat the allocator values (they change when a tensor
+    or a segment comes or goes) and often the host values, so the last part is kept with the values
+    it shows and reused while they are equal. Each cached part is one tuple, replaced whole: two
+    threads recording the same site can never pair one record's values with another's text.
+    """
+
+    __slots__ = ("device", "with_allocator", "head", "allocator", "memory")
+
+    def __init__(self, device: str, with_allocator: bool, head: str) -> None:
+        self.device = device
+        self.with_allocator = with_allocator
+        self.head = head                    # % (seconds, fraction, call, allocator part, memory part)
+        self.allocator: tuple = (None, "")   # (allocator values, their part)
+        self.memory: tuple = (None, None, "")  # (mem_available, swap_free, their part)
+
+
+class RecordFormatter:
+    """Formats records as format_record does, from per-site templates (JsonlSink.push inlines
+    the common case).
+
+    `ts` is written from integer nanoseconds as `<seconds>.<9 digits>`: a JSON float, like
+    format_record's, without the float-to-shortest-string conversion that cost a third of a line.
     """
 
     def __init__(self, rank: int, pid: int, node: str) -> None:
         self.rank, self.pid, self.node = rank, pid, node
-        self.templates: dict = {}   # (site, device, with allocator) -> template
 
-    def template(self, site: str, device: str, with_allocator: bool) -> str:
-        key = (site, device, with_allocator)
-        template = self.templates.get(key)
-        if template is None:
-            head = json.dumps({"site": site, "rank": self.rank, "pid": self.pid, "node": self.node,
-                               "device": device}, separators=(",", ":"))[1:-1].replace("%", "%%")
-            fields = "".join(f',"{name}":%d' for name in FIELDS) if with_allocator else ""
-            template = self.templates[key] = (
-                f'{{"ts":%d.%09d,"call":%d,{head}{fields},"mem_available_bytes":%d,"swap_free_bytes":%d}}\n')
-        return template
+    def site_line(self, site: str, device: str, with_allocator: bool) -> SiteLine:
+        head = json.dumps({"site": site, "rank": self.rank, "pid": self.pid, "node": self.node,
+                           "device": device}, separators=(",", ":"))[1:-1].replace("%", "%%")
+        return SiteLine(device, with_allocator, f'{{"ts":%d.%09d,"call":%d,{head}%s%s')
 
     def __call__(self, ts_ns: int, call: int, site: str, device: str, allocator: Optional[tuple],
-                 available: Optional[int], swap_free: Optional[int], shape: Optional[list]) -> str:
-        """One line, newline included."""
+                 available: Optional[int], swap_free: Optional[int], shape: Optional[list],
+                 line: Optional[SiteLine] = None) -> str:
+        """One line, newline included (`line`: the site's parts, if the caller has them)."""
         if available is None or swap_free is None:  # rare: the reference path
             item = (ts_ns / NS_PER_S, call, site, device, allocator, available, swap_free, shape)
             return format_record(item, self.rank, self.pid, self.node) + "\n"
+        if line is None:
+            line = self.site_line(site, device, allocator is not None)
         seconds, fraction = divmod(ts_ns, NS_PER_S)
-        template = self.template(site, device, allocator is not None)
-        allocator_values = () if allocator is None else tuple(allocator)
-        line = template % ((seconds, fraction, call) + allocator_values + (available, swap_free))
+        text = line.head % (seconds, fraction, call, "" if allocator is None else ALLOCATOR_PART % tuple(allocator),
+                            MEMORY_PART % (available, swap_free))
         if shape is not None:  # opt-in: the last field
-            line = f'{line[:-2]},"shape":{json.dumps(shape, separators=(",", ":"))}}}\n'
-        return line
+            text = f'{text[:-2]},"shape":{json.dumps(shape, separators=(",", ":"))}}}\n'
+        return text
 
 
 class JsonlSink:
@@ -118,7 +139,7 @@ class JsonlSink:
         self._file = None
         self._rank: Optional[int] = None
         self._format: Optional[RecordFormatter] = None
-        self._templates: Optional[dict] = None   # self._format.templates once open
+        self._lines: dict = {}   # site -> SiteLine, once open
         self._pid = os.getpid()
         self.path: Optional[str] = None
 
@@ -128,7 +149,6 @@ class JsonlSink:
         self._pid = os.getpid()
         self.path = log_path(self.config.log_dir, rank, self._pid)
         self._format = RecordFormatter(rank, self._pid, self.node)
-        self._templates = self._format.templates
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="memtel-jsonl-writer", daemon=True)
         self._thread.start()
@@ -136,36 +156,41 @@ class JsonlSink:
     # hot path
     def push(self, ts_ns: int, call: int, site: str, device: str, allocator: Optional[tuple],
              available: Optional[int], swap_free: Optional[int], shape: Optional[list] = None) -> None:
-        """Format the record into its line and queue it (RecordFormatter's common case, inlined:
-        a Python call less per record)."""
+        """Format the record into its line and queue it: RecordFormatter's common case, inlined (a
+        Python call less per record), with the site's last allocator and memory parts reused while
+        their values repeat (SiteLine)."""
         queue = self._queue
         if len(queue) >= self._max_queue:
             with self._drop_lock:
                 self.dropped += 1
             return
-        templates = self._templates
-        template = (templates.get((site, device, allocator is not None))
-                    if templates is not None and shape is None and available is not None and swap_free is not None
-                    else None)
-        if template is None:  # first record of a site, a rare field, or not open yet
+        line = self._lines.get(site)
+        if (line is None or line.device != device or line.with_allocator is (allocator is None)
+                or shape is not None or available is None or swap_free is None):
             self._push_slow(ts_ns, call, site, device, allocator, available, swap_free, shape)
             return
         seconds, fraction = divmod(ts_ns, NS_PER_S)
-        if allocator is None:
-            queue.append(template % (seconds, fraction, call, available, swap_free))
-        else:
-            a = allocator
-            queue.append(template % (seconds, fraction, call, a[0], a[1], a[2], a[3], a[4], a[5],
-                                     available, swap_free))
+        part = line.allocator
+        if part[0] != allocator:
+            part = line.allocator = (allocator, ALLOCATOR_PART % allocator)
+        memory = line.memory
+        if memory[0] != available or memory[1] != swap_free:
+            memory = line.memory = (available, swap_free, MEMORY_PART % (available, swap_free))
+        queue.append(line.head % (seconds, fraction, call, part[1], memory[2]))
         if len(queue) >= self._flush_records and not self._wake.is_set():
             self._wake.set()
 
-    def _push_slow(self, *record) -> None:
+    def _push_slow(self, ts_ns: int, call: int, site: str, device: str, allocator: Optional[tuple],
+                   available: Optional[int], swap_free: Optional[int], shape: Optional[list]) -> None:
         format = self._format
         if format is None:  # another thread's record while the first one opens the log
-            self._early.append(record)
+            self._early.append((ts_ns, call, site, device, allocator, available, swap_free, shape))
             return
-        self._queue.append(format(*record))
+        line = None
+        if shape is None and available is not None and swap_free is not None:
+            # The site's common record from now on (replaced if its device or allocator presence changes).
+            line = self._lines[site] = format.site_line(site, device, allocator is not None)
+        self._queue.append(format(ts_ns, call, site, device, allocator, available, swap_free, shape, line))
         if len(self._queue) >= self._flush_records:
             self._wake.set()
 
@@ -198,7 +223,11 @@ class JsonlSink:
                 if self._file is None:
                     os.makedirs(self.config.log_dir, exist_ok=True)
                     self._file = open(self.path, "a", encoding="utf-8")
-                self._file.write("".join(lines))
+                write = self._file.write
+                # In chunks of ~40 kB: one join of everything (MBs) costs 3x as much, page faults
+                # on a fresh buffer each time (BENCHMARKS.md, "Hook overhead").
+                for start in range(0, len(lines), WRITE_CHUNK_LINES):
+                    write("".join(lines[start:start + WRITE_CHUNK_LINES]))
                 self._file.flush()
             except Exception:
                 with self._drop_lock:

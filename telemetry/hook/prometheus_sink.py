@@ -9,7 +9,6 @@ one node never clash. Metric names are fixed in docs/architecture.md.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -30,7 +29,10 @@ RESERVED_DELTA_BUCKETS = (0, MiB, 2 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * Mi
 
 @dataclass(slots=True)  # slots: faster attribute updates on the hot path
 class SiteStats:
-    """What the hook knows about one site (hooked target) in this process."""
+    """What the hook knows about one site (hooked target) in this process.
+
+    Updated in place by the hook's hot path (record.Recorder.record), under HookStats.lock.
+    """
 
     calls: int = 0
     growth_events: int = 0
@@ -38,30 +40,11 @@ class SiteStats:
     mem_available_bytes: Optional[int] = None
     swap_free_bytes: Optional[int] = None
     delta_buckets: list = field(default_factory=lambda: [0] * (len(RESERVED_DELTA_BUCKETS) + 1))
-    delta_sum: int = 0
-    delta_count: int = 0
-
-    def update(self, allocator: Optional[tuple], previous: Optional[tuple],
-               mem_available: Optional[int], swap_free: Optional[int]) -> None:
-        self.calls += 1
-        if allocator is not None:
-            self.allocator = allocator
-            if previous is not None:
-                if allocator[2] > previous[2]:
-                    self.growth_events += 1
-                delta = allocator[0] - previous[0]
-                if delta > 0:
-                    self.delta_buckets[bisect.bisect_left(RESERVED_DELTA_BUCKETS, delta)] += 1
-                    self.delta_sum += delta
-                else:  # most calls: no growth (a decrease counts as 0), the first bucket without a search
-                    self.delta_buckets[0] += 1
-                self.delta_count += 1
-        self.mem_available_bytes = mem_available
-        self.swap_free_bytes = swap_free
+    delta_sum: int = 0   # the histogram's count is the sum of its buckets (one counter less per call)
 
     def copy(self) -> "SiteStats":
         return SiteStats(self.calls, self.growth_events, self.allocator, self.mem_available_bytes,
-                         self.swap_free_bytes, list(self.delta_buckets), self.delta_sum, self.delta_count)
+                         self.swap_free_bytes, list(self.delta_buckets), self.delta_sum)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The hot path: one record after each hooked call.
 
 Per call: the pass-through check, one allocator read (torch's nested statistics binding), one
-/proc/meminfo read through a kept-open descriptor, then plain number updates under one lock and a
-tuple appended to the JSONL queue. Nothing here raises into the host: every failure is counted in
+/proc/meminfo read through a kept-open descriptor (read and parsed in one compiled call where
+built), then plain number updates under one lock and one formatted line appended to the JSONL
+queue. Nothing here raises into the host: every failure is counted in
 `memtel_hook_errors_total{stage}`. The first record of a process resolves the rank, starts the
 exporter and opens the log (lazily: only processes that run a hooked function do any of this).
 """
@@ -13,12 +14,14 @@ import functools
 import logging
 import socket
 import threading
-import time
+from bisect import bisect_left
+from time import time_ns
 from typing import Any, Callable, Optional
 
 from telemetry.hook import allocator, guards
+from telemetry.hook.guards import passing_through
 from telemetry.hook.jsonl_sink import JsonlSink
-from telemetry.hook.prometheus_sink import Exporter, HookStats, SiteStats
+from telemetry.hook.prometheus_sink import RESERVED_DELTA_BUCKETS, Exporter, HookStats, SiteStats
 from telemetry.hook.rank import RankInfo, resolve_rank
 from telemetry.hook.targets import WRAPPED_ATTR
 from telemetry.procfs.meminfo import MeminfoReader
@@ -62,7 +65,6 @@ class Recorder:
         self.rank: Optional[RankInfo] = None
         self.calls = 0
         self._previous: Optional[tuple] = None   # allocator values after the previous record
-        self._swap_from = 0   # where the hot path starts looking for SwapFree in /proc/meminfo
         self._started = False
         self._start_lock = threading.Lock()
         if jsonl is not None:
@@ -71,34 +73,25 @@ class Recorder:
     def baseline(self) -> None:
         """Read the allocator once now, so the first hooked call can already count as growth."""
         try:
-            self._previous = allocator.current_reader()()
+            self._previous = allocator.current_reader().read()
         except Exception:
             self.stats.count_error("", "allocator")
 
     def record(self, site: str, args: tuple, kwargs: dict) -> None:
+        # One function on purpose: every Python call and attribute lookup here is paid per hooked
+        # call (see BENCHMARKS.md, "Hook overhead"), so the per-site update is written out in place.
         if not self.enabled:
             return
         stage = "guard"
         try:
-            if guards.passing_through():
+            if passing_through():
                 return
             stage = "allocator"
             reader = allocator._reader
-            values = reader()
+            values = reader.read()
             stage = "meminfo"
-            # procfs.meminfo.parse_available_and_swap_free, inlined: a Python call costs here.
-            text = self.meminfo.read_text()
-            start = text.find("MemAvailable:")
-            available = int(text[start + 13:text.find("kB", start)]) * 1024 if start >= 0 else None
-            # SwapFree is ~400 characters in and moves by a digit or two at most: search from just
-            # before where it was (about half the cost of a search from the start), else from 0.
-            swap_from = self._swap_from
-            start = text.find("SwapFree:", swap_from)
-            if start < 0 or start - swap_from > 64:
-                start = text.find("SwapFree:")
-                self._swap_from = start - 32 if start > 32 else 0
-            swap_free = int(text[start + 9:text.find("kB", start)]) * 1024 if start >= 0 else None
-            ts_ns = time.time_ns()   # the log writes it as seconds with 9 decimals (no float repr)
+            available, swap_free = self.meminfo.available_and_swap_free()
+            ts_ns = time_ns()   # the log writes it as seconds with 9 decimals (no float repr)
             shape = shape_of(args, kwargs) if self.record_shape else None
             stage = "record"
             stats = self.stats
@@ -107,13 +100,24 @@ class Recorder:
             try:
                 index = self.calls
                 self.calls = index + 1
-                previous = self._previous
-                if values is not None:
-                    self._previous = values
                 site_stats = stats.sites.get(site)
                 if site_stats is None:
                     site_stats = stats.sites[site] = SiteStats()
-                site_stats.update(values, previous, available, swap_free)
+                site_stats.calls += 1
+                site_stats.mem_available_bytes = available
+                site_stats.swap_free_bytes = swap_free
+                if values is not None:
+                    previous = self._previous
+                    self._previous = site_stats.allocator = values
+                    if previous is not None:
+                        if values[2] > previous[2]:   # num_device_alloc rose: a new segment
+                            site_stats.growth_events += 1
+                        delta = values[0] - previous[0]
+                        if delta > 0:
+                            site_stats.delta_buckets[bisect_left(RESERVED_DELTA_BUCKETS, delta)] += 1
+                            site_stats.delta_sum += delta
+                        else:   # most calls: no growth (a decrease counts as 0), no bucket search
+                            site_stats.delta_buckets[0] += 1
             finally:
                 lock.release()
             if not self._started:
@@ -160,6 +164,7 @@ class Recorder:
         self._previous = None
         allocator.current_reader().reset()
         guards.reset()
+        self.meminfo.close()
         if self.exporter is not None:
             self.exporter.reset_after_fork()
         if self.jsonl is not None:

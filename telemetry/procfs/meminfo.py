@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from telemetry.procfs.procfile import ProcFile
 
+try:  # the compiled fast path (setup.py); absent where the install had no C compiler
+    from telemetry.procfs._meminfo_speedups import read_available_and_swap_free as _read_fields_compiled
+except ImportError:
+    _read_fields_compiled = None
+
 MEMINFO_PATH = "/proc/meminfo"
 
 
@@ -32,27 +37,47 @@ def parse_meminfo(text: str) -> dict[str, int]:
     return values
 
 
-def parse_available_and_swap_free(text: str) -> tuple[int | None, int | None]:
-    """MemAvailable and SwapFree in bytes, found with `str.find` only (None when absent).
+def parse_available_and_swap_free(data: bytes) -> tuple[int | None, int | None]:
+    """MemAvailable and SwapFree in bytes from the raw file, found with `bytes.find` (None when absent).
 
-    The hook needs just these two lines after every call: finding them costs about a tenth of
-    splitting all ~55 lines, which would more than double the host read.
+    The hook needs just these two lines after every call: finding them in the undecoded bytes
+    costs about a tenth of decoding and splitting all ~55 lines. The compiled fast path
+    (_meminfo_speedups.c) gives the same answers; the tests hold the two together.
     """
-    start = text.find("MemAvailable:")
-    swap = text.find("SwapFree:")
-    return (int(text[start + 13:text.find("kB", start)]) * 1024 if start >= 0 else None,
-            int(text[swap + 9:text.find("kB", swap)]) * 1024 if swap >= 0 else None)
+    return _kb_field(data, b"MemAvailable:"), _kb_field(data, b"SwapFree:")
+
+
+def _kb_field(data: bytes, label: bytes) -> int | None:
+    start = data.find(label)
+    if start < 0:
+        return None
+    end = data.find(b"kB", start)
+    if end < 0:
+        raise ValueError(f"/proc/meminfo: {label.decode()} is not followed by a number of kB")
+    return int(data[start + len(label):end]) << 10
 
 
 class MeminfoReader(ProcFile):
     """/proc/meminfo through a kept-open descriptor: the hook reads it after every hooked call."""
 
-    def __init__(self, path: str = MEMINFO_PATH) -> None:
+    def __init__(self, path: str = MEMINFO_PATH, compiled: bool = True) -> None:
         super().__init__(path, size=16384)
+        # The compiled read-and-parse when built (about a third of the pure-Python cost on top of
+        # the read itself, see BENCHMARKS.md); `compiled=False` forces the Python path (tests).
+        self.compiled = compiled and _read_fields_compiled is not None
 
     def read(self) -> dict[str, int]:
         return parse_meminfo(self.read_text())
 
     def available_and_swap_free(self) -> tuple[int | None, int | None]:
-        """MemAvailable and SwapFree in bytes (see parse_available_and_swap_free)."""
-        return parse_available_and_swap_free(self.read_text())
+        """MemAvailable and SwapFree in bytes, None where absent (see parse_available_and_swap_free)."""
+        if not self.compiled:
+            return parse_available_and_swap_free(self.read_bytes())
+        fd = self._fd
+        if fd is None:
+            fd = self.fileno()
+        try:
+            return _read_fields_compiled(fd)
+        except OSError:
+            self.close()
+            raise

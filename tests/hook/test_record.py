@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -133,8 +134,13 @@ def test_allocator_series_are_absent_without_an_allocator(make_module):
     name = make_module(SOURCE)
     module = importlib.import_module(name)
     registry = CollectorRegistry()
-    telemetry.install([f"{name}:identity"], port=None, registry=registry)
-    module.identity(1)
+    # No allocator to read, wherever this runs (on the GPU machine CUDA may be initialized already).
+    set_allocator_source(lambda: None)
+    try:
+        telemetry.install([f"{name}:identity"], port=None, registry=registry)
+        module.identity(1)
+    finally:
+        set_allocator_source(None)
     site = f"{name}:identity"
     assert registry.get_sample_value("memtel_hook_calls_total", labels(site)) == 1
     assert registry.get_sample_value("memtel_hook_host_mem_available_bytes", labels(site)) > 0
@@ -182,46 +188,73 @@ def test_shape_summary_of_the_first_tensor_argument(make_module, tmp_path):
 
 
 def test_fast_meminfo_fields_match_the_parser():
-    text = MeminfoReader().read_text()
-    parsed = parse_meminfo(text)
-    available, swap_free = available_and_swap_free(text)
+    data = MeminfoReader().read_bytes()
+    parsed = parse_meminfo(data.decode())
+    available, swap_free = available_and_swap_free(data)
     # The kernel regenerates the file per read; the same text must give the same numbers.
     assert available == parsed["MemAvailable"] and swap_free == parsed["SwapFree"]
     fixture_dir = ROOT / "tests" / "fixtures" / "proc"
     for path in sorted(fixture_dir.glob("meminfo*")):
         fixture = parse_meminfo(path.read_text())
-        assert available_and_swap_free(path.read_text()) == (fixture.get("MemAvailable"), fixture.get("SwapFree"))
-    assert available_and_swap_free("MemTotal: 1 kB\n") == (None, None)
+        assert available_and_swap_free(path.read_bytes()) == (fixture.get("MemAvailable"), fixture.get("SwapFree"))
+    assert available_and_swap_free(b"MemTotal: 1 kB\n") == (None, None)
 
 
-class _ShiftingMeminfo:
-    """A MeminfoReader stand-in whose SwapFree line moves between reads (wider numbers, other kernels)."""
+def _meminfo_texts() -> list[str]:
+    """Real texts, and the same moved, widened and cut: where the fields are must never matter."""
+    base = MeminfoReader().read_text()
+    fixtures = [p.read_text() for p in sorted((ROOT / "tests" / "fixtures" / "proc").glob("meminfo*"))]
+    return [base, *fixtures,
+            base.replace("MemTotal:", "MemTotal:" + " " * 50),     # SwapFree 50 characters later
+            base.replace("MemTotal:", "MemTotal:" + " " * 500),    # far later
+            "MemAvailable:\t7 kB\nSwapFree:       9 kB\n",       # a tab, and both before where they were
+            "MemAvailable:  7 kB\n",                              # no SwapFree
+            "MemTotal: 1 kB\n",                                   # neither
+            "MemAvailable: 123456789012345678901234 kB\nSwapFree: 18014398509481983 kB\n",  # past 64 bits
+            ""]
 
-    def __init__(self, texts):
-        self.texts = list(texts)
 
-    def read_text(self):
-        return self.texts.pop(0)
+def test_compiled_meminfo_reader_gives_the_python_parsers_answers(tmp_path):
+    if not MeminfoReader().compiled:
+        pytest.skip("telemetry.procfs._meminfo_speedups is not built (no C compiler at install)")
+    path = tmp_path / "meminfo"
+    path.write_text("")
+    compiled, python = MeminfoReader(str(path)), MeminfoReader(str(path), compiled=False)
+    assert compiled.compiled and not python.compiled
+    for text in _meminfo_texts():
+        path.write_text(text)   # the same file (inode): the kept descriptors read the new text
+        expected = available_and_swap_free(text.encode())
+        assert compiled.available_and_swap_free() == python.available_and_swap_free() == expected, text[:80]
+    for bad in ("MemAvailable: lots kB\n", "MemAvailable: 12 MB\n", "MemAvailable: 12"):
+        path.write_text(bad)
+        for reader in (compiled, python):
+            with pytest.raises(ValueError):
+                reader.available_and_swap_free()
 
 
-def test_the_hot_path_finds_swap_free_wherever_it_moves():
+def test_the_compiled_meminfo_reader_is_built_where_a_compiler_exists():
+    # setup.py marks the extension optional: a broken build would silently leave only Python.
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the pure-Python reader is the expected one")
+    assert MeminfoReader().compiled, "a C compiler exists but _meminfo_speedups was not built (pip install -e .)"
+
+
+def test_a_meminfo_read_error_is_counted_and_the_next_call_reopens(tmp_path):
     from telemetry.hook.prometheus_sink import HookStats
     from telemetry.hook.record import Recorder
 
-    base = MeminfoReader().read_text()
-    texts = [base,
-             base.replace("MemTotal:", "MemTotal:" + " " * 50),          # SwapFree 50 characters later
-             base.replace("MemTotal:", "MemTotal:" + " " * 500),         # far later
-             "MemAvailable:  7 kB\nSwapFree:       9 kB\n",              # before where it was
-             "MemAvailable:  7 kB\n"]                                   # absent
-    recorder = Recorder(exporter=None, jsonl=None, stats=HookStats(), meminfo=_ShiftingMeminfo(texts))
-    expected = [available_and_swap_free(text)[1] for text in texts]
-    seen = []
-    for _ in expected:
-        recorder.record("t", (), {})
-        seen.append(recorder.stats.sites["t"].swap_free_bytes)
-    assert seen == expected and expected[-2:] == [9 * 1024, None]
-    assert not recorder.stats.errors
+    path = tmp_path / "meminfo"
+    path.write_text("MemAvailable: 7 kB\nSwapFree: 9 kB\n")
+    reader = MeminfoReader(str(path))
+    recorder = Recorder(exporter=None, jsonl=None, stats=HookStats(), meminfo=reader)
+    recorder.record("t", (), {})
+    os.close(reader.fileno())   # the kept descriptor goes bad under the reader
+    recorder.record("t", (), {})
+    path.write_text("MemAvailable: 8 kB\nSwapFree: 9 kB\n")
+    recorder.record("t", (), {})
+    assert recorder.stats.errors == {("t", "meminfo"): 1}
+    site = recorder.stats.sites["t"]
+    assert site.calls == 2 and site.mem_available_bytes == 8 << 10 and site.swap_free_bytes == 9 << 10
 
 
 def test_torch_compile_traces_through_without_recording_or_graph_breaks(make_module):

@@ -136,6 +136,75 @@ def test_fast_formatter_writes_exactly_the_reference_json(item):
     assert list(parsed) == list(expected)  # key order too
 
 
+def _reference_lines(records, rank, pid, node):
+    return [json.loads(format_record((r[0] / 1e9, *r[1:]), rank, pid, node)) for r in records]
+
+
+def _written(sink):
+    lines = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
+    for line in lines:
+        line["ts"] = round(line["ts"], 6)
+    return lines
+
+
+def test_the_sinks_fast_path_writes_every_record_exactly_as_the_reference(tmp_path):
+    # Values that repeat, change, come back, lose their allocator, change device and carry a shape:
+    # each cached part (SiteLine) must be reused only while its values are equal.
+    a, b = (1 << 30, 5, 7, 1, 0, 0), (1 << 31, 6, 8, 1, 0, 0)
+    t = 1795000000_000000000
+    records = [(t + 1, 0, "m:f", "cuda:0", a, 100 << 10, 0, None),
+               (t + 2, 1, "m:f", "cuda:0", a, 100 << 10, 0, None),      # all repeated
+               (t + 3, 2, "m:f", "cuda:0", b, 100 << 10, 0, None),      # allocator changed
+               (t + 4, 3, "m:f", "cuda:0", b, 96 << 10, 4096, None),    # host changed
+               (t + 5, 4, "m:f", "cuda:0", a, 96 << 10, 4096, None),    # allocator back to a
+               (t + 6, 5, "m:g", "cuda:0", a, 96 << 10, 4096, None),    # another site, same values
+               (t + 7, 6, "m:f", "cpu", None, 96 << 10, 4096, None),    # no allocator, other device
+               (t + 8, 7, "m:f", "cuda:0", a, 96 << 10, 4096, [3, 4]),  # with a shape
+               (t + 9, 8, "m:f", "cuda:0", a, None, 4096, None),        # host value absent
+               (t + 10, 9, "m:f", "cuda:0", b, 96 << 10, 4096, None)]
+    sink = JsonlSink(JsonlConfig(str(tmp_path)), node="node-1")
+    sink.open(rank=2)
+    for record in records:
+        sink.push(*record)
+    sink.close()
+    expected = _reference_lines(records, 2, os.getpid(), "node-1")
+    for line in expected:
+        line["ts"] = round(line["ts"], 6)
+    assert _written(sink) == expected
+
+
+def test_threads_recording_one_site_never_mix_their_values(tmp_path):
+    import threading
+
+    sink = JsonlSink(JsonlConfig(str(tmp_path), max_queue=10 ** 6), node="n")
+    sink.open(rank=0)
+    threads_n, per_thread = 4, 3000
+
+    def run(k):
+        for i in range(per_thread):
+            v = (k + i) % 3   # values shared by the threads, repeating, so the cached parts are reused
+            sink.push(time.time_ns(), v, "m:f", "cuda:0", (v, v, v, v, v, v), v << 10, v << 10)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(threads_n)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # switch threads as often as the interpreter allows
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    sink.close()
+    lines = [json.loads(line) for line in Path(sink.path).read_text().splitlines()]
+    assert len(lines) == threads_n * per_thread
+    for line in lines:   # every field of a line shows the values of the record it was written for
+        v = line["call"]
+        assert [line[f] for f in ("reserved_bytes", "allocated_bytes", "num_device_alloc", "num_device_free",
+                                  "num_alloc_retries", "num_ooms")] == [v] * 6
+        assert line["mem_available_bytes"] == line["swap_free_bytes"] == v << 10
+
+
 def test_log_file_name_has_rank_and_pid(tmp_path):
     sink = JsonlSink(JsonlConfig(str(tmp_path)), node="n")
     sink.open(rank=5)
