@@ -67,6 +67,7 @@ malformed:
 }
 
 static PyObject *read_available_and_swap_free(PyObject *module, PyObject *arg) {
+    (void)module;
     long fd = PyLong_AsLong(arg);
     if (fd == -1 && PyErr_Occurred())
         return NULL;
@@ -109,6 +110,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_meminfo_speedups",
     "MemAvailable and SwapFree from /proc/meminfo in one call (the hook's hot path).", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__meminfo_speedups(void) { return PyModule_Create(&module_def); }
