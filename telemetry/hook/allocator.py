@@ -52,7 +52,6 @@ class CudaAllocatorReader:
                 stats["num_device_alloc"], stats["num_device_free"], stats["num_alloc_retries"],
                 stats["num_ooms"])
 
-    __call__ = read
 
     def _bind(self) -> Optional[Callable]:
         torch = self._torch or sys.modules.get("torch")
@@ -87,7 +86,6 @@ class DictSourceReader:
             return None
         return tuple(int(stats[name]) for name in FIELDS)
 
-    __call__ = read
 
 
 _lock = threading.Lock()
@@ -115,5 +113,5 @@ def current_reader() -> CudaAllocatorReader | DictSourceReader:
 
 def read_allocator() -> Optional[dict]:
     """The current source's values as a dict (off the hot path: baselines, tests)."""
-    values = _reader()
+    values = _reader.read()
     return None if values is None else dict(zip(FIELDS, values))

@@ -163,8 +163,7 @@ class Recorder:
         self._started = False
         self._previous = None
         allocator.current_reader().reset()
-        guards.reset()
-        self.meminfo.close()
+        guards.reset()   # (the meminfo descriptor is dropped by procfile's own at-fork handler)
         if self.exporter is not None:
             self.exporter.reset_after_fork()
         if self.jsonl is not None:
