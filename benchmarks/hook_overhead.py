@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--calls", type=int, default=2000, help="calls per variant per round")
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.calls < 1:
+        parser.error(f"--rounds and --calls must be at least 1, got --rounds {args.rounds} --calls {args.calls}")
 
     import psutil
     import torch

@@ -186,9 +186,10 @@ class JsonlSink:
         if format is None:  # another thread's record while the first one opens the log
             self._early.append((ts_ns, call, site, device, allocator, available, swap_free, shape))
             return
-        line = None
-        if shape is None and available is not None and swap_free is not None:
-            # The site's common record from now on (replaced if its device or allocator presence changes).
+        # The site's line parts, made once and reused by every record of the site (a record with a
+        # shape or an absent host value too); replaced if its device or allocator presence changes.
+        line = self._lines.get(site)
+        if line is None or line.device != device or line.with_allocator is (allocator is None):
             line = self._lines[site] = format.site_line(site, device, allocator is not None)
         self._queue.append(format(ts_ns, call, site, device, allocator, available, swap_free, shape, line))
         if len(self._queue) >= self._flush_records:

@@ -232,6 +232,14 @@ def test_compiled_meminfo_reader_gives_the_python_parsers_answers(tmp_path):
                 reader.available_and_swap_free()
 
 
+def test_the_hooks_meminfo_reader_reads_the_real_proc_meminfo():
+    # Whichever path is built, on the real file: SwapFree is steady here, MemAvailable moves a little.
+    available, swap_free = MeminfoReader().available_and_swap_free()
+    parsed = parse_meminfo(Path("/proc/meminfo").read_text())
+    assert swap_free == parsed["SwapFree"]
+    assert abs(available - parsed["MemAvailable"]) <= 0.05 * parsed["MemAvailable"]
+
+
 def test_the_compiled_meminfo_reader_is_built_where_a_compiler_exists():
     # setup.py marks the extension optional: a broken build would silently leave only Python.
     if shutil.which("cc") is None and shutil.which("gcc") is None:
