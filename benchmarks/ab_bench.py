@@ -113,7 +113,8 @@ def tokenize_calls(targets: list[int], url: str | None, model: str) -> None:
         counter = Tokenizer(httpx.Client(), url.rstrip("/"), model)
         count, name = counter.count, f"{url} /tokenize"
     else:
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
 
         bpe = HFTokenizer(models.BPE())
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -16,9 +16,9 @@ import random
 import time
 from pathlib import Path
 
-from harness.lab.allocsim import CachingAllocatorSim
-from harness.lab.allocsim.ops import replay_cases, replay_ops
-from harness.lab.replay import ArmSpec, ReplayParams, replay
+from harness.allocsim import CachingAllocatorSim
+from harness.allocsim.ops import replay_cases, replay_ops
+from harness.indexer.replay import ArmSpec, ReplayParams, replay
 
 REPO = Path(__file__).resolve().parents[1]
 TRUTH_DIRS = [REPO / "tests" / "fixtures" / "allocator-truth", REPO.parent / "shared" / "data" / "allocator-truth"]

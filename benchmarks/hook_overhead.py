@@ -61,7 +61,7 @@ def per_call_us(fn, calls: int, finish=None, gc_off: bool = False) -> float:
 
 def summary(values: list[float]) -> dict:
     ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
     return {"median_us": statistics.median(ordered), "p10_us": pick(0.10), "p90_us": pick(0.90),
             "min_us": ordered[0]}
 

@@ -15,10 +15,10 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "daemon": ("telemetry.daemon.main", "run the node exporter: host memory, swap, PSI, NVML, kernel log"),
     "ab": ("harness.ab.cli", "run an A/B prefill ladder against two servers, or write its report"),
-    "allocsim": ("harness.lab.allocsim_cli", "replay an op file on the caching-allocator simulator"),
-    "replay": ("harness.lab.replay", "replay the sparse indexer's logits allocations alone (cuda or sim)"),
-    "lab": ("harness.lab.server_cli", "serve the lab model: an OpenAI-compatible server with the indexer pattern"),
-    "demo": ("harness.demo", "run the whole A/B pipeline on this machine and write the report"),
+    "allocsim": ("harness.allocsim.cli", "replay an op file on the caching-allocator simulator"),
+    "replay": ("harness.indexer.replay", "replay the sparse indexer's logits allocations alone (cuda or sim)"),
+    "lab": ("harness.labserver.cli", "serve the lab model: an OpenAI-compatible server with the indexer pattern"),
+    "demo": ("harness.demo.cli", "run the whole A/B pipeline on this machine and write the report"),
 }
 
 
@@ -48,7 +48,21 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed subcommand; every `MemtelError` becomes one line on stderr and its exit code."""
+    from telemetry.errors import MemtelError
+
+    try:
+        return int(args._run(args) or 0)
+    except MemtelError as exc:
+        print(f"memtel {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"memtel {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 log = logging.getLogger("memtel.vllm_plugin")
 
@@ -35,9 +35,9 @@ _FALSE = {"0", "false", "no", "off", ""}
 @dataclass(frozen=True)
 class PluginConfig:
     targets: tuple[str, ...]
-    port: Optional[int]
+    port: int | None
     addr: str
-    log_dir: Optional[str]
+    log_dir: str | None
     record_shape: bool
 
 
@@ -53,7 +53,7 @@ def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
     raise ValueError(f"{name}={raw!r} is not a boolean: expected 1/0, true/false, yes/no or on/off")
 
 
-def config_from_env(environ: Mapping[str, str]) -> Optional[PluginConfig]:
+def config_from_env(environ: Mapping[str, str]) -> PluginConfig | None:
     """The plugin's configuration, None when telemetry is off; ValueError names the bad variable."""
     from telemetry.hook.session import DEFAULT_PORT, parse_targets
 
@@ -68,7 +68,7 @@ def config_from_env(environ: Mapping[str, str]) -> Optional[PluginConfig]:
     except ValueError as error:
         raise ValueError(f"MEMTEL_TARGETS: {error}") from None
     port_raw = environ.get("MEMTEL_PORT", "").strip()
-    port: Optional[int] = DEFAULT_PORT
+    port: int | None = DEFAULT_PORT
     if port_raw.lower() == "off":
         port = None
     elif port_raw:
@@ -93,7 +93,7 @@ def config_from_env(environ: Mapping[str, str]) -> Optional[PluginConfig]:
     return PluginConfig(targets, port, addr, log_dir, _flag(environ, "MEMTEL_RECORD_SHAPE", default=False))
 
 
-def register(environ: Optional[Mapping[str, str]] = None) -> None:
+def register(environ: Mapping[str, str] | None = None) -> None:
     """vLLM's entry point. Never raises: the server must start whatever memtel's configuration is."""
     try:
         config = config_from_env(os.environ if environ is None else environ)

@@ -109,7 +109,7 @@ class Ladder:
         return _plain(data)
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<dict>") -> "Ladder":
+    def from_dict(cls, data: Any, source: str = "<dict>") -> Ladder:
         return _Parser(source).ladder(data)
 
 
@@ -196,7 +196,7 @@ class _Parser:
     def number(self, value: Any, path: str, minimum: float | None = None, maximum: float | None = None) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(path, f"expected a number, got {_kind(value)}")
-        if minimum is not None and value < minimum or maximum is not None and value > maximum:
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
             raise self.fail(path, f"expected a number in [{minimum}, {maximum}], got {value}")
         return float(value)
 

@@ -18,28 +18,14 @@ import json
 import math
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 # Common English words: real tokenizers give each one or two tokens, which keeps the
 # tokens-per-word ratio stable and the needle retrievable by a real model.
 WORDS: tuple[str, ...] = tuple(
-    "the river city morning light stone garden window market winter summer evening house road field "
-    "bridge village forest mountain valley harbor island castle tower library school teacher student "
-    "doctor farmer baker painter writer singer sailor soldier traveler child mother father brother "
-    "sister friend neighbor stranger king queen prince merchant captain engineer gardener keeper "
-    "walked carried opened closed found lost built painted wrote read watched heard followed crossed "
-    "climbed counted gathered measured repaired visited remembered forgot planted cleaned finished "
-    "started waited answered asked explained noticed shared bought sold borrowed returned discovered "
-    "quietly slowly carefully early late often rarely always suddenly finally together alone again "
-    "old new small large quiet busy bright dark warm cold green blue red yellow wooden narrow wide "
-    "ancient modern simple careful happy tired gentle patient clever honest famous hidden distant "
-    "letter book map lamp table chair door key coin box bag rope boat cart wheel clock bell cup "
-    "bread apple cheese fish salt tea water fire wind rain snow cloud star moon sun tree flower "
-    "grass hill lake sea shore path wall gate roof floor room kitchen hall office station museum "
-    "after before during under over near beside behind across through along around between"
-.split())
+    ["the", "river", "city", "morning", "light", "stone", "garden", "window", "market", "winter", "summer", "evening", "house", "road", "field", "bridge", "village", "forest", "mountain", "valley", "harbor", "island", "castle", "tower", "library", "school", "teacher", "student", "doctor", "farmer", "baker", "painter", "writer", "singer", "sailor", "soldier", "traveler", "child", "mother", "father", "brother", "sister", "friend", "neighbor", "stranger", "king", "queen", "prince", "merchant", "captain", "engineer", "gardener", "keeper", "walked", "carried", "opened", "closed", "found", "lost", "built", "painted", "wrote", "read", "watched", "heard", "followed", "crossed", "climbed", "counted", "gathered", "measured", "repaired", "visited", "remembered", "forgot", "planted", "cleaned", "finished", "started", "waited", "answered", "asked", "explained", "noticed", "shared", "bought", "sold", "borrowed", "returned", "discovered", "quietly", "slowly", "carefully", "early", "late", "often", "rarely", "always", "suddenly", "finally", "together", "alone", "again", "old", "new", "small", "large", "quiet", "busy", "bright", "dark", "warm", "cold", "green", "blue", "red", "yellow", "wooden", "narrow", "wide", "ancient", "modern", "simple", "careful", "happy", "tired", "gentle", "patient", "clever", "honest", "famous", "hidden", "distant", "letter", "book", "map", "lamp", "table", "chair", "door", "key", "coin", "box", "bag", "rope", "boat", "cart", "wheel", "clock", "bell", "cup", "bread", "apple", "cheese", "fish", "salt", "tea", "water", "fire", "wind", "rain", "snow", "cloud", "star", "moon", "sun", "tree", "flower", "grass", "hill", "lake", "sea", "shore", "path", "wall", "gate", "roof", "floor", "room", "kitchen", "hall", "office", "station", "museum", "after", "before", "during", "under", "over", "near", "beside", "behind", "across", "through", "along", "around", "between"])
 
 COLORS = ("amber", "cobalt", "crimson", "emerald", "ivory", "jade", "ochre", "scarlet", "silver", "violet")
 PLACES = ("archive", "cellar", "harbor", "lighthouse", "mill", "observatory", "orchard", "quarry", "tower", "vault")

@@ -13,8 +13,8 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 RESULTS_FILE = "results.jsonl"
 

@@ -27,8 +27,7 @@ import httpx
 from harness.ab.client import RequestResult, Tokenizer, stream_request
 from harness.ab.config import Arm, Ladder, LadderError, Step, check_reachable
 from harness.ab.prompts import Prompt, answer_found, build_prompt, load_words
-from harness.ab.records import (RESULTS_FILE, RecordWriter, finished_steps, read_records, step_key,
-                                unstopped_servers)
+from harness.ab.records import RESULTS_FILE, RecordWriter, finished_steps, read_records, step_key, unstopped_servers
 from harness.ab.samplers import NodeSampler, Scraper
 from harness.ab.serve import ServedProcess, ServeError, kill_stale
 
@@ -442,4 +441,4 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-__all__ = ["run_ladder", "schedule", "RunDirError", "LadderError"]
+__all__ = ["LadderError", "RunDirError", "run_ladder", "schedule"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -140,7 +140,7 @@ class NodeSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "NodeSampler":
+    def __enter__(self) -> NodeSampler:
         if self.nodes:
             self._thread = threading.Thread(target=self._loop, name="memtel-node-sampler", daemon=True)
             self._thread.start()

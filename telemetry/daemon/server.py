@@ -34,7 +34,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             try:
@@ -65,7 +65,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._headers_buffer.append(b"\r\n" + body)
         self.flush_headers()
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass  # one line per scrape would flood the journal
 
 

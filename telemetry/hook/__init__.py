@@ -11,5 +11,14 @@ from telemetry.hook.presets import PRESETS
 from telemetry.hook.session import HookConfig, HookHandle, active_handle, install, parse_targets
 from telemetry.hook.targets import Target, parse_target
 
-__all__ = ["install", "set_allocator_source", "active_handle", "HookHandle", "HookConfig", "PRESETS",
-           "Target", "parse_target", "parse_targets"]
+__all__ = [
+           "PRESETS",
+           "HookConfig",
+           "HookHandle",
+           "Target",
+           "active_handle",
+           "install",
+           "parse_target",
+           "parse_targets",
+           "set_allocator_source",
+]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 FIELDS = ("reserved_bytes", "allocated_bytes", "num_device_alloc", "num_device_free",
           "num_alloc_retries", "num_ooms")
@@ -25,10 +25,10 @@ class CudaAllocatorReader:
     """Reads the CUDA caching allocator of the current device; None where there is none (yet)."""
 
     def __init__(self) -> None:
-        self._binding: Optional[Callable] = None
-        self._device: Optional[int] = None
+        self._binding: Callable | None = None
+        self._device: int | None = None
         self._torch = None
-        self.device: Optional[str] = None  # "cuda:N" once bound (the record's `device`)
+        self.device: str | None = None  # "cuda:N" once bound (the record's `device`)
 
     def reset(self) -> None:
         """Forget the device (after fork: the child has no CUDA context of its own yet)."""
@@ -37,7 +37,7 @@ class CudaAllocatorReader:
         self._torch = None
         self.device = None
 
-    def read(self) -> Optional[AllocatorStats]:
+    def read(self) -> AllocatorStats | None:
         binding = self._binding
         if binding is None:
             binding = self._bind()
@@ -53,7 +53,7 @@ class CudaAllocatorReader:
                 stats["num_ooms"])
 
 
-    def _bind(self) -> Optional[Callable]:
+    def _bind(self) -> Callable | None:
         torch = self._torch or sys.modules.get("torch")
         if torch is None or not hasattr(torch, "cuda"):
             return None  # not imported (or still importing): never import it ourselves
@@ -73,14 +73,14 @@ class CudaAllocatorReader:
 class DictSourceReader:
     """Adapts a `fn() -> dict | None` allocator source (the lab's simulator) to the reader protocol."""
 
-    def __init__(self, source: Callable[[], Optional[dict]], device: str) -> None:
+    def __init__(self, source: Callable[[], dict | None], device: str) -> None:
         self.source = source
         self.device = device
 
     def reset(self) -> None:
         pass
 
-    def read(self) -> Optional[AllocatorStats]:
+    def read(self) -> AllocatorStats | None:
         stats = self.source()
         if stats is None:
             return None
@@ -92,7 +92,7 @@ _lock = threading.Lock()
 _reader: CudaAllocatorReader | DictSourceReader = CudaAllocatorReader()
 
 
-def set_allocator_source(source: Optional[Callable[[], Optional[dict]]], *, device: str = "sim") -> None:
+def set_allocator_source(source: Callable[[], dict | None] | None, *, device: str = "sim") -> None:
     """Make the hook read `source()` after each call instead of the CUDA allocator.
 
     `source()` returns a dict with the keys in FIELDS, or None when there is nothing to read.
@@ -111,7 +111,7 @@ def current_reader() -> CudaAllocatorReader | DictSourceReader:
     return _reader
 
 
-def read_allocator() -> Optional[dict]:
+def read_allocator() -> dict | None:
     """The current source's values as a dict (off the hot path: baselines, tests)."""
     values = _reader.read()
     return None if values is None else dict(zip(FIELDS, values))

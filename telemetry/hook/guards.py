@@ -16,12 +16,12 @@ thread-local read) nothing can be capturing and the driver is not asked.
 from __future__ import annotations
 
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
 
-_is_compiling: Optional[Callable[[], bool]] = None
+_is_compiling: Callable[[], bool] | None = None
 _cuda = None  # torch.cuda once bound
-_is_capturing: Optional[Callable[[], bool]] = None
-_current_stream: Optional[Callable[[int], tuple]] = None
+_is_capturing: Callable[[], bool] | None = None
+_current_stream: Callable[[int], tuple] | None = None
 _cuda_ready = False  # CUDA seen initialized (it never goes back, except in a forked child: reset())
 
 

@@ -20,8 +20,8 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from telemetry.hook.allocator import FIELDS
 
@@ -73,7 +73,7 @@ class SiteLine:
     threads recording the same site can never pair one record's values with another's text.
     """
 
-    __slots__ = ("device", "with_allocator", "head", "allocator", "memory")
+    __slots__ = ("allocator", "device", "head", "memory", "with_allocator")
 
     def __init__(self, device: str, with_allocator: bool, head: str) -> None:
         self.device = device
@@ -99,9 +99,9 @@ class RecordFormatter:
                            "device": device}, separators=(",", ":"))[1:-1].replace("%", "%%")
         return SiteLine(device, with_allocator, f'{{"ts":%d.%09d,"call":%d,{head}%s%s')
 
-    def __call__(self, ts_ns: int, call: int, site: str, device: str, allocator: Optional[tuple],
-                 available: Optional[int], swap_free: Optional[int], shape: Optional[list],
-                 line: Optional[SiteLine] = None) -> str:
+    def __call__(self, ts_ns: int, call: int, site: str, device: str, allocator: tuple | None,
+                 available: int | None, swap_free: int | None, shape: list | None,
+                 line: SiteLine | None = None) -> str:
         """One line, newline included (`line`: the site's parts, if the caller has them)."""
         if available is None or swap_free is None:  # rare: the reference path
             item = (ts_ns / NS_PER_S, call, site, device, allocator, available, swap_free, shape)
@@ -135,13 +135,13 @@ class JsonlSink:
         self._wake = threading.Event()
         self._stop = False
         self._io_lock = threading.RLock()  # re-entrant: a SIGTERM flush may interrupt a flush
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._file = None
-        self._rank: Optional[int] = None
-        self._format: Optional[RecordFormatter] = None
+        self._rank: int | None = None
+        self._format: RecordFormatter | None = None
         self._lines: dict = {}   # site -> SiteLine, once open
         self._pid = os.getpid()
-        self.path: Optional[str] = None
+        self.path: str | None = None
 
     def open(self, rank: int) -> None:
         """Name the file and start the writer: called once, at the first record (rank known)."""
@@ -154,8 +154,8 @@ class JsonlSink:
         self._thread.start()
 
     # hot path
-    def push(self, ts_ns: int, call: int, site: str, device: str, allocator: Optional[tuple],
-             available: Optional[int], swap_free: Optional[int], shape: Optional[list] = None) -> None:
+    def push(self, ts_ns: int, call: int, site: str, device: str, allocator: tuple | None,
+             available: int | None, swap_free: int | None, shape: list | None = None) -> None:
         """Format the record into its line and queue it: RecordFormatter's common case, inlined (a
         Python call less per record), with the site's last allocator and memory parts reused while
         their values repeat (SiteLine)."""
@@ -180,8 +180,8 @@ class JsonlSink:
         if len(queue) >= self._flush_records and not self._wake.is_set():
             self._wake.set()
 
-    def _push_slow(self, ts_ns: int, call: int, site: str, device: str, allocator: Optional[tuple],
-                   available: Optional[int], swap_free: Optional[int], shape: Optional[list]) -> None:
+    def _push_slow(self, ts_ns: int, call: int, site: str, device: str, allocator: tuple | None,
+                   available: int | None, swap_free: int | None, shape: list | None) -> None:
         format = self._format
         if format is None:  # another thread's record while the first one opens the log
             self._early.append((ts_ns, call, site, device, allocator, available, swap_free, shape))

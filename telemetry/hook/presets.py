@@ -54,11 +54,11 @@ PRESETS: dict[str, tuple[PresetSite, ...]] = {
             why="the GLM kpool indexer imports it inside its decode function",
         ),
     ),
-    # The lab server's stand-in for the indexer (harness/lab): one call per logits launch.
+    # The lab server's stand-in for the indexer (harness/indexer/launch.py): one call per logits launch.
     "lab-indexer": (
         PresetSite(
-            target="harness.lab.indexer:indexer_logits_launch",
-            call_sites=("harness.lab.indexer",),
+            target="harness.indexer.launch:indexer_logits_launch",
+            call_sites=("harness.indexer.launch",),
             lookup="module global",
             why="the lab server and `memtel replay` call it once per logits launch (docs/architecture.md)",
         ),

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -36,13 +36,13 @@ class SiteStats:
 
     calls: int = 0
     growth_events: int = 0
-    allocator: Optional[tuple] = None   # allocator.FIELDS values after the last call
-    mem_available_bytes: Optional[int] = None
-    swap_free_bytes: Optional[int] = None
+    allocator: tuple | None = None   # allocator.FIELDS values after the last call
+    mem_available_bytes: int | None = None
+    swap_free_bytes: int | None = None
     delta_buckets: list = field(default_factory=lambda: [0] * (len(RESERVED_DELTA_BUCKETS) + 1))
     delta_sum: int = 0   # the histogram's count is the sum of its buckets (one counter less per call)
 
-    def copy(self) -> "SiteStats":
+    def copy(self) -> SiteStats:
         return SiteStats(self.calls, self.growth_events, self.allocator, self.mem_available_bytes,
                          self.swap_free_bytes, list(self.delta_buckets), self.delta_sum)
 
@@ -155,7 +155,7 @@ class Exporter:
         self.registry.register(collector)
         self.base_port = base_port
         self.addr = addr
-        self.port: Optional[int] = None
+        self.port: int | None = None
         self._server = None
         self._thread = None
 

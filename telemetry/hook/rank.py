@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class RankInfo:
     source: str      # "torch.distributed", "vllm", "env" or "default"
 
 
-def _env_int(environ: Mapping[str, str], name: str) -> Optional[int]:
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
     try:
         value = int(environ[name])
     except (KeyError, ValueError):
@@ -30,7 +30,7 @@ def _env_int(environ: Mapping[str, str], name: str) -> Optional[int]:
     return value if value >= 0 else None
 
 
-def _torch_rank() -> Optional[int]:
+def _torch_rank() -> int | None:
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None) if torch is not None else None
     try:
@@ -41,7 +41,7 @@ def _torch_rank() -> Optional[int]:
     return None
 
 
-def _vllm_world() -> tuple[Optional[int], Optional[int]]:
+def _vllm_world() -> tuple[int | None, int | None]:
     state = sys.modules.get("vllm.distributed.parallel_state")
     world = getattr(state, "_WORLD", None) if state is not None else None
     if world is None:

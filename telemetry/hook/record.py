@@ -15,8 +15,9 @@ import logging
 import socket
 import threading
 from bisect import bisect_left
+from collections.abc import Callable
 from time import time_ns
-from typing import Any, Callable, Optional
+from typing import Any
 
 from telemetry.hook import allocator, guards
 from telemetry.hook.guards import passing_through
@@ -29,7 +30,7 @@ from telemetry.procfs.meminfo import MeminfoReader
 log = logging.getLogger("memtel.hook")
 
 
-def shape_of(args: tuple, kwargs: dict) -> Optional[list]:
+def shape_of(args: tuple, kwargs: dict) -> list | None:
     """[rows, cols] of the first tensor-like argument (a tuple's first item counts: (q, scale))."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, tuple) and value:
@@ -50,9 +51,9 @@ def shape_of(args: tuple, kwargs: dict) -> Optional[list]:
 class Recorder:
     """Records hooked calls of one process into the Prometheus state and the JSONL log."""
 
-    def __init__(self, *, exporter: Optional[Exporter], jsonl: Optional[JsonlSink], stats: HookStats,
-                 record_shape: bool = False, node: Optional[str] = None,
-                 meminfo: Optional[MeminfoReader] = None,
+    def __init__(self, *, exporter: Exporter | None, jsonl: JsonlSink | None, stats: HookStats,
+                 record_shape: bool = False, node: str | None = None,
+                 meminfo: MeminfoReader | None = None,
                  on_first_record: Callable[[], None] = lambda: None) -> None:
         self.exporter = exporter
         self.jsonl = jsonl
@@ -62,9 +63,9 @@ class Recorder:
         self.meminfo = meminfo or MeminfoReader()
         self.on_first_record = on_first_record
         self.enabled = True
-        self.rank: Optional[RankInfo] = None
+        self.rank: RankInfo | None = None
         self.calls = 0
-        self._previous: Optional[tuple] = None   # allocator values after the previous record
+        self._previous: tuple | None = None   # allocator values after the previous record
         self._started = False
         self._start_lock = threading.Lock()
         if jsonl is not None:

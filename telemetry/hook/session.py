@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 from telemetry.hook import presets
 from telemetry.hook.jsonl_sink import JsonlConfig, JsonlSink
@@ -38,9 +38,9 @@ DEFAULT_PORT = 9200
 
 @dataclass(frozen=True)
 class HookConfig:
-    port: Optional[int] = DEFAULT_PORT   # exporter on port + local rank; None: no exporter
+    port: int | None = DEFAULT_PORT   # exporter on port + local rank; None: no exporter
     addr: str = "0.0.0.0"
-    log_dir: Optional[str] = None        # per-call JSONL log; None: no log
+    log_dir: str | None = None        # per-call JSONL log; None: no log
     record_shape: bool = False           # add [rows, cols] of the first tensor argument
     flush_interval_s: float = 0.5
     flush_records: int = 4096
@@ -74,7 +74,7 @@ def parse_targets(targets: str | Iterable[str]) -> list[Target]:
 class HookHandle:
     """What `install` returns: the state of this process's hook and `uninstall()`."""
 
-    def __init__(self, session: "HookSession") -> None:
+    def __init__(self, session: HookSession) -> None:
         self._session = session
 
     @property
@@ -98,12 +98,12 @@ class HookHandle:
         return self._session.collector
 
     @property
-    def log_path(self) -> Optional[str]:
+    def log_path(self) -> str | None:
         jsonl = self._session.recorder.jsonl
         return jsonl.path if jsonl is not None else None
 
     @property
-    def exporter_port(self) -> Optional[int]:
+    def exporter_port(self) -> int | None:
         exporter = self._session.recorder.exporter
         return exporter.port if exporter is not None else None
 
@@ -277,10 +277,10 @@ class HookSession:
 
 
 _lock = threading.Lock()
-_session: Optional[HookSession] = None
+_session: HookSession | None = None
 
 
-def install(targets: str | Iterable[str], *, port: Optional[int] = DEFAULT_PORT, log_dir: Optional[str] = None,
+def install(targets: str | Iterable[str], *, port: int | None = DEFAULT_PORT, log_dir: str | None = None,
             record_shape: bool = False, addr: str = "0.0.0.0", registry=None,
             flush_interval_s: float = 0.5, flush_records: int = 4096, max_queue: int = 65536) -> HookHandle:
     """Hook `targets` in this process and return the handle (see docs/hook.md).
@@ -308,7 +308,7 @@ def install(targets: str | Iterable[str], *, port: Optional[int] = DEFAULT_PORT,
     return session.handle
 
 
-def active_handle() -> Optional[HookHandle]:
+def active_handle() -> HookHandle | None:
     session = _session
     return session.handle if session is not None else None
 

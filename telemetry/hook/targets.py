@@ -14,8 +14,9 @@ import logging
 import re
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("memtel.hook")
 
@@ -139,7 +140,7 @@ def module_exists(name: str) -> bool | None:
 class _PatchingLoader:
     """Wraps a module's loader: runs the module, then lets the watcher patch it."""
 
-    def __init__(self, loader: Any, watcher: "ImportWatcher") -> None:
+    def __init__(self, loader: Any, watcher: ImportWatcher) -> None:
         self._loader = loader
         self._watcher = watcher
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import weakref
 
-_open_files: "weakref.WeakSet[ProcFile]" = weakref.WeakSet()
+_open_files: weakref.WeakSet[ProcFile] = weakref.WeakSet()
 
 
 class ProcFile:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import pytest
-
-import json
 
 from harness.ab.prompts import WORDS, PromptError, answer_found, build_prompt, load_words
 

@@ -16,9 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import httpx
 import yaml
@@ -54,7 +54,7 @@ def write_kmsg(line: str) -> None:
 def wait_until(what: str, check: Callable[[], object], timeout: float, interval: float = 0.5):
     """Poll `check` until it returns a truthy value; raise TimeoutError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout
-    last_error: Optional[BaseException] = None
+    last_error: BaseException | None = None
     while True:
         try:
             value = check()
@@ -96,7 +96,7 @@ class Process:
                 self.popen.wait(timeout=10)
 
 
-def start(name: str, argv: list[str], log_dir: Path, env: Optional[dict] = None) -> Process:
+def start(name: str, argv: list[str], log_dir: Path, env: dict | None = None) -> Process:
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log_file:
         popen = subprocess.Popen(argv, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
@@ -127,7 +127,7 @@ class LiveStack:
     hook_port: int = 0
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10.0))
 
-    def start(self) -> "LiveStack":
+    def start(self) -> LiveStack:
         prometheus = need_prometheus()
         # The hook process is rank 0 of its own; no MEMTEL_* setting of the caller leaks into it.
         env = {k: v for k, v in os.environ.items() if not k.startswith("MEMTEL_")}
@@ -199,7 +199,7 @@ class LiveStack:
     def label_values(self, label: str, match: str) -> list[str]:
         return self.api(f"label/{label}/values", **{"match[]": match})
 
-    def alerts(self, name: Optional[str] = None) -> list[dict]:
+    def alerts(self, name: str | None = None) -> list[dict]:
         alerts = self.api("alerts")["alerts"]
         return [a for a in alerts if name is None or a["labels"].get("alertname") == name]
 

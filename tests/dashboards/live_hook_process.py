@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import telemetry
-    from harness.lab.allocsim import CachingAllocatorSim
+    from harness.allocsim import CachingAllocatorSim
     from telemetry.hook import set_allocator_source
 
     simulator = CachingAllocatorSim()

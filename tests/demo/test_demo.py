@@ -135,11 +135,11 @@ def test_demo_runs_the_whole_pipeline_and_agrees_with_replay(tmp_path):
 
 
 def test_demo_scale_shrinks_bytes_and_keeps_the_shape():
-    from harness.demo import DemoShape
-    from harness.demo_notes import predict
+    from harness.demo.cli import DemoShape
+    from harness.demo.notes import predict
 
     steps = [(100_000, "a")]
-    grew = lambda p: [g > 0 for g in p.chunk_step_growth]  # noqa: E731
+    grew = lambda p: [g > 0 for g in p.chunk_step_growth]
     full = predict(DemoShape(allocator="sim", scale=1.0, time_scale=0), steps, "stock")[0]
     small = predict(DemoShape(allocator="sim", scale=0.25, time_scale=0), steps, "stock")[0]
     # About a quarter of the bytes (the allocator's rounding is not scaled, so not exactly).

@@ -19,8 +19,8 @@ import telemetry
 from telemetry.hook import set_allocator_source
 from telemetry.hook.prometheus_sink import RESERVED_DELTA_BUCKETS
 from telemetry.hook.record import shape_of
-from telemetry.procfs.meminfo import parse_available_and_swap_free as available_and_swap_free
 from telemetry.procfs.meminfo import MeminfoReader, parse_meminfo
+from telemetry.procfs.meminfo import parse_available_and_swap_free as available_and_swap_free
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE = socket.gethostname()
@@ -110,7 +110,7 @@ def test_registry_values_follow_the_allocator_and_the_host(make_module):
         after = parse_meminfo(Path("/proc/meminfo").read_text())["MemAvailable"]
         value = registry.get_sample_value("memtel_hook_host_mem_available_bytes", labels(site))
         assert min(before, after) - (64 << 20) <= value <= max(before, after) + (64 << 20)
-    get = lambda metric, **kw: registry.get_sample_value(metric, labels(site, **kw))  # noqa: E731
+    get = lambda metric, **kw: registry.get_sample_value(metric, labels(site, **kw))
     assert get("memtel_hook_calls_total") == 7
     assert get("memtel_hook_growth_events_total") == len(growth_calls)
     assert get("memtel_allocator_reserved_bytes") == sum(sizes.values())
@@ -318,7 +318,7 @@ def test_a_reserved_decrease_is_observed_as_zero_growth(make_module):
     fake.values["reserved_bytes"] = 0  # empty_cache between calls
     fake.values["num_device_free"] = 1
     module.identity(1)
-    get = lambda metric, **kw: registry.get_sample_value(metric, labels(site, **kw))  # noqa: E731
+    get = lambda metric, **kw: registry.get_sample_value(metric, labels(site, **kw))
     assert get("memtel_hook_reserved_delta_bytes_bucket", le="0.0") == 1
     assert get("memtel_hook_reserved_delta_bytes_sum") == 0
     assert get("memtel_hook_growth_events_total") == 0

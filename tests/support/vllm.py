@@ -115,7 +115,7 @@ class VllmServer:
         self.env = server_env(env)
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -158,7 +158,7 @@ class VllmServer:
         self.process.wait()
         self._log.close()
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         self.start()
         try:
             self.wait_healthy()

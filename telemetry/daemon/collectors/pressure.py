@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from telemetry.procfs.procfile import ProcFile
 from telemetry.procfs.pressure import PRESSURE_MEMORY_PATH, PressureLine, parse_pressure
+from telemetry.procfs.procfile import ProcFile
 
 _HELP = {
     "some": "Time in which at least one task was stalled on memory (PSI some total).",

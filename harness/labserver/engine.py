@@ -1,0 +1,258 @@
+"""The lab engine: the scheduler side of the lab server, driving one worker process per rank.
+
+Like vLLM's engine core with tensor parallelism, every prefill goes to all ranks at once and is done
+when the slowest rank is done. The prefix cache lives here, as vLLM's does in its scheduler: a
+prompt's cached full blocks are not sent to the ranks again, so only the new tokens are prefilled
+(with the kv length of the whole prompt so far, as a real chunked prefill after a cache hit has).
+
+Workers are `multiprocessing` spawn processes (no fork: CUDA and threads do not survive a fork).
+Each is told to die with this process (PR_SET_PDEATHSIG) and also exits when its pipe closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.labserver.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
+from harness.labserver.worker import RankConfig, rank_main
+
+log = logging.getLogger("memtel.lab.engine")
+
+ARMS = ("stock", "fixed")
+ALLOCATORS = ("sim", "cuda")
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    """Everything that shapes the lab server's work; defaults are the user's A/B profile."""
+
+    arm: str = "stock"
+    ranks: int = 2
+    allocator: str = "sim"
+    layers: int = 45
+    chunk: int = 8192
+    max_model_len: int = 204_800
+    compress_ratio: int = 4
+    budget_mb: float = 512.0
+    scale: float = 1.0  # multiplies the rows (so the bytes) of every logits launch
+    time_scale: float = 1.0  # multiplies the simulator's modeled time
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF for the simulator (cuda: the environment's)
+    unified_memory: bool = True  # sim: back segments with host pages
+    block_size: int = DEFAULT_BLOCK_SIZE
+    prefix_cache_tokens: int = 1_048_576
+    memtel_port: int | None = 9200  # hook exporter base port (MEMTEL_PORT); None: no exporter
+    memtel_log_dir: str | None = None  # hook JSONL logs (MEMTEL_LOG_DIR)
+    memtel_addr: str = "127.0.0.1"  # where the hook exporters listen (the server's --host)
+    hook: bool = True
+    startup_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.arm not in ARMS:
+            problems.append(f"arm must be one of {', '.join(ARMS)}, got {self.arm!r}")
+        if self.allocator not in ALLOCATORS:
+            problems.append(f"allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
+        for name in ("ranks", "layers", "chunk", "max_model_len", "compress_ratio", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not (self.budget_mb > 0):
+            problems.append(f"budget_mb must be > 0, got {self.budget_mb!r}")
+        if not (0 < self.scale <= 1):
+            problems.append(f"scale must be in (0, 1], got {self.scale!r}")
+        if not (self.time_scale >= 0):
+            problems.append(f"time_scale must be >= 0, got {self.time_scale!r}")
+        if self.prefix_cache_tokens < 0:
+            problems.append(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.budget_mb * 1024 * 1024)
+
+    def rank_config(self, rank: int) -> RankConfig:
+        return RankConfig(
+            rank=rank, world_size=self.ranks, arm=self.arm, allocator=self.allocator, layers=self.layers,
+            chunk=self.chunk, max_model_len=self.max_model_len, compress_ratio=self.compress_ratio,
+            budget_bytes=self.budget_bytes, scale=self.scale, time_scale=self.time_scale,
+            alloc_conf=self.alloc_conf, unified_memory=self.unified_memory, memtel_port=self.memtel_port,
+            memtel_log_dir=self.memtel_log_dir, hook=self.hook, memtel_addr=self.memtel_addr,
+        )
+
+
+@dataclass
+class PrefillOutcome:
+    prompt_tokens: int
+    cached_tokens: int
+    seconds: float
+    ranks: list[dict] = field(default_factory=list)
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def launches(self) -> int:
+        return sum(r.get("launches", 0) for r in self.ranks)
+
+    def summary(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "computed_tokens": self.computed_tokens, "prefill_s": self.seconds, "ranks": self.ranks}
+
+
+class _Rank:
+    def __init__(self, rank: int, process: Any, conn: Any) -> None:
+        self.rank = rank
+        self.process = process
+        self.conn = conn
+        self.info: dict = {}
+
+
+class LabEngine:
+    def __init__(self, config: LabConfig) -> None:
+        self.config = config
+        self.prefix_cache = PrefixCache(config.prefix_cache_tokens // config.block_size, config.block_size)
+        self._ranks: list[_Rank] = []
+        self._problem: str | None = "not started"
+        self._lock = threading.Lock()
+        from harness.labserver.cost_model import CostModel
+
+        self.cost = CostModel(time_scale=config.time_scale)
+
+    # --- lifecycle ---
+
+    def start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        try:
+            for rank in range(self.config.ranks):
+                parent, child = context.Pipe()
+                process = context.Process(target=rank_main, args=(self.config.rank_config(rank), child),
+                                          name=f"memtel-lab-rank{rank}", daemon=True)
+                process.start()
+                child.close()
+                self._ranks.append(_Rank(rank, process, parent))
+            deadline = time.monotonic() + self.config.startup_timeout_s
+            for rank in self._ranks:
+                rank.info = self._receive(rank, deadline, "start")
+        except BaseException:
+            self.stop()
+            raise
+        self._problem = None
+        log.info("lab engine up: %s", ", ".join(
+            f"rank {r.rank} pid {r.info.get('pid')} ({r.info.get('allocator')}"
+            f"{' ' + r.info['device_name'] if r.info.get('device_name') else ''})" for r in self._ranks))
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self._problem = self._problem or "stopped"
+        for rank in self._ranks:
+            try:
+                rank.conn.send(("stop", {}))
+            except (OSError, EOFError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + grace_s
+        for rank in self._ranks:
+            rank.process.join(max(0.0, deadline - time.monotonic()))
+            if rank.process.is_alive():
+                rank.process.terminate()
+                rank.process.join(2.0)
+            if rank.process.is_alive():
+                rank.process.kill()
+                rank.process.join(2.0)
+            rank.conn.close()
+        self._ranks = []
+
+    def healthy(self) -> bool:
+        if self._problem is None:
+            for rank in self._ranks:
+                if not rank.process.is_alive():
+                    self._problem = f"rank {rank.rank} (pid {rank.process.pid}) exited with {rank.process.exitcode}"
+        return self._problem is None
+
+    def problem(self) -> str:
+        return self._problem or ""
+
+    def describe(self) -> dict:
+        data = dataclasses.asdict(self.config)
+        data["ranks_info"] = [r.info for r in self._ranks]
+        return data
+
+    # --- work ---
+
+    def prefill(self, token_ids: list[int]) -> PrefillOutcome:
+        with self._lock:
+            if not self.healthy():
+                raise EngineError(self.problem())
+            hit = self.prefix_cache.lookup(token_ids)
+            started = time.perf_counter()
+            job = {"start_token": hit.cached_tokens, "tokens": len(token_ids) - hit.cached_tokens}
+            for rank in self._ranks:
+                self._send(rank, ("prefill", job))
+            deadline = None  # a 400k-token prefill on a real GPU may take long; a dead rank is noticed
+            results, errors = [], []
+            for rank in self._ranks:  # collect every rank's answer, so no pipe is left out of step
+                try:
+                    results.append(self._receive(rank, deadline, "prefill"))
+                except EngineError as exc:
+                    errors.append(str(exc))
+            if errors:
+                raise EngineError("; ".join(errors))
+            self.prefix_cache.commit(hit.hashes)
+            return PrefillOutcome(len(token_ids), hit.cached_tokens, time.perf_counter() - started, results)
+
+    def decode_seconds(self, tokens: int) -> float:
+        # On CUDA the lab has no decoder to time; the model's figure keeps streams realistic anyway.
+        return self.cost.decode_s(tokens)
+
+    def reset_prefix_cache(self) -> None:
+        self.prefix_cache.reset()
+
+    def rank_stats(self) -> list[dict]:
+        with self._lock:
+            for rank in self._ranks:
+                self._send(rank, ("stats", {}))
+            return [self._receive(rank, time.monotonic() + 30, "stats") for rank in self._ranks]
+
+    # --- pipe plumbing ---
+
+    def _send(self, rank: _Rank, message: tuple) -> None:
+        try:
+            rank.conn.send(message)
+        except (OSError, EOFError, BrokenPipeError) as exc:
+            self._problem = f"rank {rank.rank} is gone ({exc})"
+            raise EngineError(self._problem) from None
+
+    def _receive(self, rank: _Rank, deadline: float | None, what: str) -> dict:
+        while True:
+            timeout = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            try:
+                ready = rank.conn.poll(timeout)
+            except (OSError, EOFError):
+                ready = True
+            if ready:
+                try:
+                    status, payload = rank.conn.recv()
+                except (OSError, EOFError):
+                    self._problem = f"rank {rank.rank} (pid {rank.process.pid}) died during {what}"
+                    raise EngineError(self._problem) from None
+                if status == "error":
+                    if what == "start":
+                        self._problem = f"rank {rank.rank} failed to start: {payload}"
+                    raise EngineError(f"rank {rank.rank}: {payload}")
+                return payload
+            if not rank.process.is_alive():
+                self._problem = f"rank {rank.rank} (pid {rank.process.pid}) exited with {rank.process.exitcode} during {what}"
+                raise EngineError(self._problem)
+            if deadline is not None and time.monotonic() >= deadline:
+                self._problem = f"rank {rank.rank} did not answer {what} in time"
+                raise EngineError(self._problem)

@@ -1,0 +1,92 @@
+"""A real `memtel lab serve` process per test (module), on free loopback ports, always stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.ports import free_port, free_port_block
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Small shapes: 4 layers, 1,024-token chunks, a 4 MiB budget (stock splits its launches from 4k tokens on).
+SMALL = ["--layers", "4", "--chunk", "1024", "--max-model-len", "16384", "--budget-mb", "4", "--scale", "1",
+         "--time-scale", "0"]
+
+
+class LabServer:
+    def __init__(self, tmp: Path, *args: str, ranks: int = 2, arm: str = "stock", env: dict | None = None) -> None:
+        self.port = free_port()
+        self.rank_port = free_port_block(ranks)
+        self.ranks = ranks
+        self.log_dir = tmp / f"hook-{arm}-{self.port}"
+        self.log_path = tmp / f"lab-{arm}-{self.port}.log"
+        self.command = [sys.executable, "-m", "telemetry", "lab", "serve", "--arm", arm, "--ranks", str(ranks),
+                        "--allocator", "sim", "--port", str(self.port), "--memtel-port", str(self.rank_port),
+                        "--memtel-log-dir", str(self.log_dir), *args]
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def rank_url(self, rank: int) -> str:
+        return f"http://127.0.0.1:{self.rank_port + rank}/metrics"
+
+    def start(self, timeout: float = 60.0) -> LabServer:
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                            env=self.env, start_new_session=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"lab server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"lab server not healthy in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the ranks share the group: none may remain
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def __enter__(self) -> LabServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="module")
+def lab_server(tmp_path_factory):
+    with LabServer(tmp_path_factory.mktemp("lab"), *SMALL) as server:
+        yield server
