@@ -30,9 +30,9 @@ FOOTPRINT = "harness_footprint.csv"
 def run(ladder: Path, out: Path, interval: float) -> int:
     """Run the harness as a child and sample its RSS and CPU time every `interval` s (not the servers')."""
     out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "harness.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "telemetry", "ab", "run", str(ladder), "--out", str(out),
-                             "--overwrite"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    with open(out / "harness.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "telemetry", "ab", "run", str(ladder), "--out", str(out),
+                                 "--overwrite"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     me = psutil.Process(proc.pid)
     started = time.monotonic()
     with open(out / FOOTPRINT, "w", newline="") as f:
@@ -54,44 +54,49 @@ def run(ladder: Path, out: Path, interval: float) -> int:
 
 
 def analyze(run_dir: Path) -> dict:
-    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
-    requests = [r for r in records if r["event"] == "request" and r["ok"]]
-    prompts = [r for r in records if r["event"] == "prompt"]
+    from harness.ab.records import PromptBuilt, RequestDone, of_type, read_records
+
+    results = run_dir / "results.jsonl"
+    if not results.exists():
+        raise SystemExit(f"ab_bench analyze: {results} does not exist: not a run directory of `memtel ab run`")
+    records = read_records(results)
+    requests = [r for r in of_type(records, RequestDone) if r.ok]
+    prompts = of_type(records, PromptBuilt)
     out: dict = {"requests": []}
     print("\nTTFT agreement (client vs server, same request):")
     print(f"{'arm':8} {'step':14} {'tokens':>8} {'client s':>10} {'server s':>10} {'diff ms':>9} {'diff %':>7}  ok")
     for r in requests:
-        client, server = r.get("ttft_s"), r.get("server_ttft_s")
+        client, server = r.ttft_s, r.server_ttft_s
         if client is None or server is None:
             continue
         diff = client - server
         rel = diff / server * 100 if server else float("inf")
         ok = abs(diff) <= 0.050 or abs(rel) <= 2.0
-        out["requests"].append({"arm": r["arm"], "step": r["step"], "tokens": r["prompt_tokens"], "client_s": client,
+        out["requests"].append({"arm": r.arm, "step": r.step, "prompt_tokens": r.prompt_tokens, "client_s": client,
                                 "server_s": server, "diff_ms": diff * 1000, "diff_pct": rel, "within_target": ok})
-        print(f"{r['arm']:8} {r['step']:14} {r['prompt_tokens']:>8} {client:>10.3f} {server:>10.3f} "
+        print(f"{r.arm:8} {r.step:14} {r.prompt_tokens:>8} {client:>10.3f} {server:>10.3f} "
               f"{diff * 1000:>9.1f} {rel:>7.2f}  {'yes' if ok else 'NO'}")
     print("\nprompt construction:")
     for p in prompts:
-        print(f"  {p['step']:14} r{p['repeat']} {p['token_count']:>8} tokens: {p['tokenize_calls']} /tokenize calls, "
-              f"{p['build_s']:.2f} s")
-    out["tokenize_calls"] = {p["step"]: p["tokenize_calls"] for p in prompts}
+        print(f"  {p.step:14} r{p.repeat} {p.prompt_tokens:>8} tokens: {p.tokenize_calls} /tokenize calls, "
+              f"{p.build_s:.2f} s")
+    out["tokenize_calls"] = {p.step: p.tokenize_calls for p in prompts}
     footprint = run_dir / FOOTPRINT
     if footprint.exists():
         rows = [(float(t), float(ts), int(rss), float(cpu)) for t, ts, rss, cpu in
                 list(csv.reader(footprint.open()))[1:]]
         print("\nharness footprint per request (RSS at start/end, CPU used during the request):")
-        for r in [r for r in records if r["event"] == "request"]:
-            inside = [row for row in rows if r["started_at"] <= row[1] <= r["ended_at"]]
+        for r in of_type(records, RequestDone):
+            inside = [row for row in rows if r.started_at <= row[1] <= r.ended_at]
             if len(inside) < 2:
                 continue
             cpu = inside[-1][3] - inside[0][3]
             wall = inside[-1][1] - inside[0][1]
-            entry = {"arm": r["arm"], "step": r["step"], "rss_start_mib": inside[0][2] / 2**20,
+            entry = {"arm": r.arm, "step": r.step, "rss_start_mib": inside[0][2] / 2**20,
                      "rss_end_mib": inside[-1][2] / 2**20, "cpu_s": cpu, "wall_s": wall,
                      "cpu_pct": 100 * cpu / wall if wall else 0.0}
             out.setdefault("footprint", []).append(entry)
-            print(f"  {r['arm']:8} {r['step']:14} RSS {entry['rss_start_mib']:.1f} -> {entry['rss_end_mib']:.1f} MiB, "
+            print(f"  {r.arm:8} {r.step:14} RSS {entry['rss_start_mib']:.1f} -> {entry['rss_end_mib']:.1f} MiB, "
                   f"CPU {cpu:.2f} s over {wall:.1f} s ({entry['cpu_pct']:.1f} %)")
         rss = [row[2] for row in rows]
         print(f"  whole run: RSS min {min(rss) / 2**20:.1f} MiB, max {max(rss) / 2**20:.1f} MiB, "
@@ -113,10 +118,11 @@ def tokenize_calls(targets: list[int], url: str | None, model: str) -> None:
         counter = Tokenizer(httpx.Client(), url.rstrip("/"), model)
         count, name = counter.count, f"{url} /tokenize"
     else:
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers, trainers
+        import importlib
 
-        bpe = HFTokenizer(models.BPE())
+        hf = importlib.import_module("tokenizers")  # installed where this mode runs (.venv-vllm), not in .venv
+        decoders, models, pre_tokenizers, trainers = hf.decoders, hf.models, hf.pre_tokenizers, hf.trainers
+        bpe = hf.Tokenizer(models.BPE())
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         bpe.decoder = decoders.ByteLevel()
         # A small vocabulary, so common words split into 1-3 pieces as in a real model's tokenizer.
@@ -129,7 +135,8 @@ def tokenize_calls(targets: list[int], url: str | None, model: str) -> None:
         for seed in (1, 2, 3):
             started = time.perf_counter()
             prompt = build_prompt(target, seed, count)
-            print(f"  {target:>8} tokens seed {seed}: {prompt.tokenize_calls} calls, exact={count(prompt.text) == target}, "
+            exact = count(prompt.text) == target
+            print(f"  {target:>8} tokens seed {seed}: {prompt.tokenize_calls} calls, exact={exact}, "
                   f"{prompt.pad_words} pad words, {time.perf_counter() - started:.2f} s")
 
 

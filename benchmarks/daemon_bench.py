@@ -5,13 +5,17 @@
 Runs, side by side on loopback ports:
   - Debian's prometheus-node-exporter limited to meminfo, vmstat and pressure
     (--collector.disable-defaults --collector.meminfo --collector.vmstat --collector.pressure);
-  - `memtel daemon` with only the same three sources (like for like);
+  - `memtel daemon` with only the same three sources (like for like: every other collector and the flight
+    recorder off);
   - `memtel daemon` with its defaults (all collectors, following /dev/kmsg).
+With `--baseline DIR`, the same two daemons of another checkout run beside them (before/after, same load).
 Scrapes are interleaved round-robin through one keep-alive client per target (as Prometheus does).
 Idle CPU: the default daemon's utime+stime over `--idle-seconds` of one scrape per second.
-Line -> counter: a unique line written into /dev/kmsg (root), then /metrics polled every 2 ms until the
-matching counter rises. Goals (issue 3): p50 <= node_exporter's and <= 5 ms; idle CPU <= 1 % of a core;
-line -> counter <= 1 s. Prints a JSON summary; this is a benchmark, not a test.
+Line -> counter: a unique line written into /dev/kmsg (root, and only with MEMTEL_TEST_KMSG=1: it writes
+into the machine's kernel log, through tests/support/kmsg.py, marked "memtel-test:" so no other memtel
+daemon counts it), then /metrics polled every 2 ms until the matching counter rises.
+Goals (issue 3): p50 <= node_exporter's and <= 5 ms; idle CPU <= 1 % of a core; line -> counter <= 1 s.
+Prints a JSON summary; this is a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tests.support.kmsg import DAEMON_COUNTS_TEST_LINES, SKIP_REASON, opted_in, write_kmsg  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -49,11 +54,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def argv0(proc: subprocess.Popen) -> str:
+    args = proc.args
+    return str(args[0]) if isinstance(args, (list, tuple)) else str(args)
+
+
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"{proc.args[0]} exited with {proc.returncode}")
+            raise SystemExit(f"{argv0(proc)} exited with {proc.returncode}")
         try:
             if httpx.get(url, timeout=1).status_code == 200:
                 return
@@ -73,12 +83,24 @@ def start_node_exporter(port: int) -> subprocess.Popen:
     )
 
 
-def start_daemon(port: int, state_dir: str, *extra: str) -> subprocess.Popen:
+def start_daemon(port: int, state_dir: str, *extra: str, tree: Path = ROOT) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(tree)}  # `tree`: this checkout, or a --baseline one
     return subprocess.Popen(
         [sys.executable, "-m", "telemetry", "daemon", "--listen", f"127.0.0.1:{port}", "--state-dir", state_dir,
          "--log-level", "warning", *extra],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+
+
+def same_sources_flags() -> list[str]:
+    """Every collector off but meminfo, vmstat and pressure (node_exporter's three), and no flight recorder."""
+    from telemetry.daemon.collectors import NAMES
+
+    others = [name for name in NAMES if name not in ("meminfo", "vmstat", "pressure")]
+    flags = [flag for name in others for flag in ("--disable-collector", name)]
+    help_text = subprocess.run([sys.executable, "-m", "telemetry", "daemon", "--help"], cwd=ROOT,
+                               capture_output=True, text=True).stdout
+    return flags + (["--no-flight-recorder"] if "--no-flight-recorder" in help_text else [])
 
 
 def scrape_latency(targets: dict[str, str], scrapes: int) -> dict[str, dict[str, float]]:
@@ -114,7 +136,7 @@ def idle_cpu(pid: int, url: str, seconds: int, compare: dict[str, int]) -> dict[
     with httpx.Client(timeout=10) as client:
         for i in range(seconds):
             client.get(url)
-            for name, p in compare.items():
+            for name in compare:
                 client.get(COMPARE_URLS[name])
             time.sleep(max(0.0, start + i + 1 - time.monotonic()))
     wall = time.monotonic() - start
@@ -138,11 +160,9 @@ def line_to_counter(url: str, pattern: str, token: str, lines: int) -> dict[str,
         for i in range(lines):
             before = current()
             text = (f"NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051) "
-                    f"returned from _memdescAllocInternal(pMemDesc) @ mem_desc.c:1359 {token} {i}\n")
-            fd = os.open("/dev/kmsg", os.O_WRONLY)
+                    f"returned from _memdescAllocInternal(pMemDesc) @ mem_desc.c:1359 {token} {i}")
             started = time.perf_counter()
-            os.write(fd, text.encode())
-            os.close(fd)
+            write_kmsg([text], pace_every=0)
             while current() <= before:
                 if time.perf_counter() - started > 10:
                     raise SystemExit("line not counted within 10 s")
@@ -156,7 +176,8 @@ def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.machine())
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, Linux {platform.release()}, Python {platform.python_version()}"
+    return (f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, Linux {platform.release()}, "
+            f"Python {platform.python_version()}")
 
 
 def main() -> int:
@@ -165,22 +186,33 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=int, default=60, help="idle CPU window at 1 scrape/s (default 60)")
     parser.add_argument("--lines", type=int, default=30, help="kernel lines for the line->counter latency")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="also run the daemon of another checkout (e.g. `git archive HEAD | tar -x -C DIR`) with "
+                             "the same sources and its defaults, interleaved: before/after on one busy machine")
     args = parser.parse_args()
 
     token = f"memtel-bench-{uuid.uuid4().hex[:10]}"
-    ports = {name: free_port() for name in ("node_exporter", "memtel_same_sources", "memtel_default")}
+    names = ["node_exporter", "memtel_same_sources", "memtel_default"]
+    if args.baseline:
+        names += ["baseline_same_sources", "baseline_default"]
+    ports = {name: free_port() for name in names}
     state = tempfile.mkdtemp(prefix="memtel-bench-")
     procs = {
         "node_exporter": start_node_exporter(ports["node_exporter"]),
-        "memtel_same_sources": start_daemon(ports["memtel_same_sources"], state + "/a", "--disable-collector", "nvml",
-                                            "--disable-collector", "processes", "--disable-collector", "kmsg"),
-        "memtel_default": start_daemon(ports["memtel_default"], state + "/b", "--kmsg-pattern", f"bench={token}"),
+        "memtel_same_sources": start_daemon(ports["memtel_same_sources"], state + "/a", *same_sources_flags()),
+        "memtel_default": start_daemon(ports["memtel_default"], state + "/b", "--kmsg-pattern", f"bench={token}",
+                                       *DAEMON_COUNTS_TEST_LINES),
     }
+    if args.baseline:
+        same = ("--disable-collector", "nvml", "--disable-collector", "processes", "--disable-collector", "kmsg")
+        procs["baseline_same_sources"] = start_daemon(ports["baseline_same_sources"], state + "/c", *same,
+                                                      tree=args.baseline.resolve())
+        procs["baseline_default"] = start_daemon(ports["baseline_default"], state + "/d", tree=args.baseline.resolve())
     urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
     try:
         for name, url in urls.items():
             wait_http(url, procs[name])
-        version = subprocess.run([procs["node_exporter"].args[0], "--version"], capture_output=True, text=True)
+        version = subprocess.run([argv0(procs["node_exporter"]), "--version"], capture_output=True, text=True)
         result = {
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": machine(),
@@ -189,12 +221,15 @@ def main() -> int:
             "command": "python benchmarks/daemon_bench.py " + " ".join(sys.argv[1:]),
             "scrape_latency": scrape_latency(urls, args.scrapes),
         }
-        COMPARE_URLS["node_exporter"] = urls["node_exporter"]
+        compare = {name: procs[name].pid for name in names if name in ("node_exporter", "baseline_default")}
+        COMPARE_URLS.update({name: urls[name] for name in compare})
         result["idle_cpu_percent_of_a_core"] = idle_cpu(
-            procs["memtel_default"].pid, urls["memtel_default"], args.idle_seconds,
-            {"node_exporter": procs["node_exporter"].pid},
+            procs["memtel_default"].pid, urls["memtel_default"], args.idle_seconds, compare,
         )
-        result["line_to_counter"] = line_to_counter(urls["memtel_default"], "bench", token, args.lines)
+        if opted_in():
+            result["line_to_counter"] = line_to_counter(urls["memtel_default"], "bench", token, args.lines)
+        else:
+            result["line_to_counter"] = f"not measured: {SKIP_REASON}"
     finally:
         for proc in procs.values():
             proc.terminate()

@@ -10,7 +10,11 @@ plus each part alone. Overhead = hooked - bare. Targets (H200): median overhead 
 part only. Also: the overhead of a 100k-token prefill's calls (45 layers x 22 chunk steps x 4
 launches) as a share of a 54 s TTFT.
 
-    PYTHONPATH=. python3 benchmarks/hook_overhead.py [--json out.json] [--rounds 40] [--calls 2000]
+    PYTHONPATH=. python3 benchmarks/hook_overhead.py [--json out.json] [--rounds 40] [--calls 2000] [--stand-in-cuda]
+
+--stand-in-cuda (a machine without a GPU): CUDA's entry points that the hook calls answer from stand-ins, so the
+hook's whole allocator path (read, growth, line format) runs and is timed; the floor includes the stand-in
+binding. A proxy for comparing two versions of the hook on a CPU, not a figure for the GPU targets.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import tempfile
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,9 +40,10 @@ PREFILL_TTFT_S = 54.0
 
 def cpu_model() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or "unknown"
@@ -59,6 +65,28 @@ def per_call_us(fn, calls: int, finish=None, gc_off: bool = False) -> float:
             gc.enable()
 
 
+def use_stand_in_cuda(torch):
+    """CPU proxy of the GPU path (--stand-in-cuda): the CUDA entry points the hook uses, answered by stand-ins.
+
+    The allocator binding returns a fixed nested dict (what `torch._C._cuda_memoryStats` returns), CUDA
+    reads as initialized on device 0, on the default stream, not capturing. The hook then runs its whole
+    allocator path (read, growth, line format) on a machine without a GPU; the binding's own cost is not
+    the real one (the floor includes the stand-in, so the ratio compares the hook's own work).
+    """
+    stats = {"reserved_bytes": {"all": {"current": 300 << 20}}, "allocated_bytes": {"all": {"current": 200 << 20}},
+             "num_device_alloc": 7, "num_device_free": 1, "num_alloc_retries": 0, "num_ooms": 0}
+
+    def binding(device):
+        return stats
+
+    torch._C._cuda_memoryStats = binding
+    torch._C._cuda_getCurrentStream = lambda device: (0, 0, 0)
+    torch._C._cuda_isCurrentStreamCapturing = lambda: False
+    torch.cuda.is_initialized = lambda: True
+    torch.cuda.current_device = lambda: 0
+    return binding
+
+
 def summary(values: list[float]) -> dict:
     ordered = sorted(values)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -71,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--calls", type=int, default=2000, help="calls per variant per round")
+    parser.add_argument("--stand-in-cuda", action="store_true",
+                        help="without a GPU: answer the hook's CUDA calls with stand-ins (see use_stand_in_cuda)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.calls < 1:
         parser.error(f"--rounds and --calls must be at least 1, got --rounds {args.rounds} --calls {args.calls}")
@@ -85,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
             "torch": torch.__version__, "cpu": cpu_model(), "cpus": os.cpu_count(), "rounds": args.rounds,
             "calls_per_round": args.calls}
-    binding = getattr(torch._C, "_cuda_memoryStats", None)
+    binding: Any = getattr(torch._C, "_cuda_memoryStats", None)
     cuda = torch.cuda.is_available() and binding is not None
     if cuda:
         try:  # what the binding does before CUDA is initialized (the hook treats it as "absent")
@@ -99,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(torch._C, "_cuda_getCurrentStream"):  # the guard's shortcut: 0 on the default stream
             info["current_stream_id"] = torch._C._cuda_getCurrentStream(-1)[0]
         keep = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (1, 3, 30, 300)]  # noqa: F841
-    else:
+    stand_in = args.stand_in_cuda and not cuda
+    if stand_in:
+        binding = use_stand_in_cuda(torch)
+        device = 0
+        info["device"] = "stand-in CUDA entry points (CPU proxy, see --stand-in-cuda)"
+    elif not cuda:
         info["device"] = "none (CPU only: allocator parts absent)"
 
     module = types.ModuleType("memtel_bench_target")
@@ -119,41 +154,44 @@ def main(argv: list[str] | None = None) -> int:
     def meminfo_kept_fd():
         pread(meminfo_fd, 16384, 0)
 
-    if cuda:
-        def binding_read():
+    binding_read: Any = None
+    if cuda or stand_in:
+        def read_binding():
             binding(device)
+
+        binding_read = read_binding
 
         def floor():
             binding(device)
             pread(meminfo_fd, 16384, 0)
-
+    else:
+        def floor():
+            pread(meminfo_fd, 16384, 0)
+    if cuda:
         def naive():
             torch.cuda.memory_reserved()
             torch.cuda.memory_stats()["num_device_alloc"]
             psutil.virtual_memory()
     else:
-        binding_read = None
-
-        def floor():
-            pread(meminfo_fd, 16384, 0)
-
         def naive():
             psutil.virtual_memory()
 
     variants = {"bare": bare, "hooked": hooked, "floor": floor, "naive": naive,
                 "meminfo_kept_fd": meminfo_kept_fd, "meminfo_open_read": lambda: Path("/proc/meminfo").read_bytes(),
                 "psutil_virtual_memory": psutil.virtual_memory}
+    if cuda or stand_in:
+        variants["binding"] = binding_read
     if cuda:
-        variants.update({"binding": binding_read, "memory_stats": torch.cuda.memory_stats,
-                         "memory_reserved": torch.cuda.memory_reserved})
+        variants.update({"memory_stats": torch.cuda.memory_stats, "memory_reserved": torch.cuda.memory_reserved})
     # Where the hook's time goes: its parts alone, the record path without sinks, the hooked call
     # with the garbage collector off (nothing the hook keeps past a call is tracked by it: queued log
     # records are strings; this variant checks that the collector costs nothing).
     from telemetry.hook import allocator, guards
-    from telemetry.hook.prometheus_sink import HookStats
     from telemetry.hook.record import Recorder
+    from telemetry.hook.state import HookState
     from telemetry.procfs.meminfo import parse_available_and_swap_free as available_and_swap_free
-    bare_recorder = Recorder(exporter=None, jsonl=None, stats=HookStats())
+    bare_state = HookState(node="bench", targets={}, started=True)
+    bare_recorder = Recorder(bare_state, None, MeminfoReader(), record_shape=False, on_first_record=lambda: None)
     data = MeminfoReader().read_bytes()
     hook_meminfo = MeminfoReader()
     info["meminfo_reader"] = "compiled" if hook_meminfo.compiled else "python (not built)"
@@ -202,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_100k_overhead_ms": PREFILL_CALLS * overhead / 1000.0,
         "prefill_100k_share_of_54s_ttft": PREFILL_CALLS * overhead / 1e6 / PREFILL_TTFT_S,
         "jsonl_records": logged, "hooked_calls": total_calls,
-        "jsonl_dropped": handle.stats.dropped_records(),
-        "hook_errors": sum(handle.stats.errors.values()),
+        "jsonl_dropped": sum(handle.state.log_dropped.values()),
+        "hook_errors": sum(handle.state.errors.values()),
     }
     handle.uninstall()
     report = {"info": info, "results_us": results, "verdict": verdict}

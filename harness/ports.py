@@ -1,14 +1,23 @@
-"""Free loopback ports, for the demo's servers and the tests' (a port is free when it can be bound now)."""
+"""Ports: the lab server's default, and free loopback ports for the demo's servers and the tests'.
+
+The hook's exporter base port (MEMTEL_PORT, 9200) is the hook's own: `telemetry.hook.config.DEFAULT_PORT`;
+the node daemon's (9101) is the daemon's. A port is free when it can be bound now.
+"""
 
 from __future__ import annotations
 
 import socket
 
+from telemetry.errors import RunError
+
+LAB_SERVER_PORT = 8000  # vLLM's default: the harness talks to the lab server as to vLLM
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
@@ -29,4 +38,4 @@ def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) ->
         finally:
             for sock in socks:
                 sock.close()
-    raise RuntimeError(f"no block of {count} free ports found on {host}")
+    raise RunError(f"no block of {count} free ports found on {host}")

@@ -3,15 +3,26 @@
 Importing this package is cheap and never imports torch.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from telemetry.hook import HookHandle
+
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "install"]
 
 
-def install(targets, **options):
-    """Hook ``targets`` ("package.module:function" or "package.module:Class.method").
+def install(targets: str | Iterable[str], **options: Any) -> HookHandle:
+    """Hook ``targets`` ("package.module:function", "package.module:Class.method" or preset names).
 
-    Returns a handle whose ``uninstall()`` restores the original objects. See telemetry.hook.
+    ``options`` are the fields of ``telemetry.hook.HookConfig`` (port, addr, log_dir, record_shape, ...) and
+    ``registry``. Returns the process's handle; its ``uninstall()`` restores the original objects. See
+    docs/hook.md.
     """
     from telemetry.hook import install as _install
 

@@ -14,9 +14,12 @@ import sys
 # name -> (module, one-line help). Order is the order shown by `memtel --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "daemon": ("telemetry.daemon.main", "run the node exporter: host memory, swap, PSI, NVML, kernel log"),
+    "flight": ("telemetry.flight.cli", "show the flight recorder's last records (this boot or the previous one)"),
     "ab": ("harness.ab.cli", "run an A/B prefill ladder against two servers, or write its report"),
     "allocsim": ("harness.allocsim.cli", "replay an op file on the caching-allocator simulator"),
     "replay": ("harness.indexer.replay", "replay the sparse indexer's logits allocations alone (cuda or sim)"),
+    "forecast": ("harness.indexer.forecast", "forecast the next prefill's reserved growth from an allocator snapshot"),
+    "whatif": ("harness.allocsim.whatif_cli", "replay a recorded memory history under other allocator settings"),
     "lab": ("harness.labserver.cli", "serve the lab model: an OpenAI-compatible server with the indexer pattern"),
     "demo": ("harness.demo.cli", "run the whole A/B pipeline on this machine and write the report"),
 }
@@ -44,7 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         chosen = None
     # Import only the chosen subcommand's module; `memtel --help` lists names without importing any.
     parser = build_parser(only=chosen or "")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and chosen:  # one line, like every other bad input (argparse would add its usage block)
+        print(f"memtel {chosen}: error: unrecognized arguments: {' '.join(unknown)} (see memtel {chosen} --help)",
+              file=sys.stderr)
+        return 2
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2

@@ -1,10 +1,12 @@
 """vLLM general plugin: turns the hook on from the environment (entry point `vllm.general_plugins`).
 
 vLLM calls general plugins in every process it starts (API server, engine core, workers) before
-the model's modules are imported. `register()` reads the configuration, and installs the hook: a
-target whose module is not imported yet is patched when that module is first imported, and the
-exporter starts only in a process where a hooked function actually runs, so the API server never
-listens. Neither torch nor vLLM is imported here.
+the model's modules are imported. `register()` reads the configuration (`HookConfig.from_env`) and
+installs the hook: a target whose module is not imported yet is patched when that module is first
+imported, and the exporter starts only in a process where a hooked function runs or the model is
+loaded, so the API server never listens. After a worker has loaded the model (vLLM's
+`Worker.load_model` returned), targets that have not resolved are reported once. Neither torch nor
+vLLM is imported here.
 
 Environment (docs/hook.md):
   MEMTEL_TARGETS      comma-separated targets ("pkg.module:function", "pkg.module:Class.method")
@@ -13,10 +15,12 @@ Environment (docs/hook.md):
   MEMTEL_PORT         exporter base port, 1..65535, or "off"; default 9200; each process listens
                       on MEMTEL_PORT + its local rank
   MEMTEL_ADDR         exporter bind address, default 0.0.0.0
+  MEMTEL_WEB_CONFIG   the exporter's web config file (TLS, basic auth); unset: plain HTTP
   MEMTEL_LOG_DIR      directory of the per-call JSONL logs; unset: no log
   MEMTEL_RECORD_SHAPE 1 to add [rows, cols] of the first tensor argument to each record
 
-A bad value is one clear log line and telemetry off; the server itself is never affected.
+A bad value is one clear log line and telemetry off; the server itself is never affected. The
+hook's log lines (logger `memtel`) go to vLLM's log handler, so they appear in vLLM's output.
 """
 
 from __future__ import annotations
@@ -24,80 +28,46 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 log = logging.getLogger("memtel.vllm_plugin")
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+
+def config_from_env(environ: Mapping[str, str]):  # -> HookConfig | None (not imported at module level)
+    """The hook's configuration for vLLM, None when telemetry is off; ConfigError names the bad variable."""
+    from telemetry.hook.config import HookConfig
+    from telemetry.hook.presets import MODEL_LOADED
+
+    # The model-loaded signal, not a timer: a timer would also fire in the API server, which never
+    # imports the model's modules.
+    return HookConfig.from_env(environ, model_loaded=MODEL_LOADED["vllm"], unresolved_after_s=None)
 
 
-@dataclass(frozen=True)
-class PluginConfig:
-    targets: tuple[str, ...]
-    port: int | None
-    addr: str
-    log_dir: str | None
-    record_shape: bool
+def show_in_vllm_log() -> None:
+    """Send the `memtel` loggers' lines to vLLM's handler (vLLM's format, stream and level).
 
-
-def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = environ.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name}={raw!r} is not a boolean: expected 1/0, true/false, yes/no or on/off")
-
-
-def config_from_env(environ: Mapping[str, str]) -> PluginConfig | None:
-    """The plugin's configuration, None when telemetry is off; ValueError names the bad variable."""
-    from telemetry.hook.session import DEFAULT_PORT, parse_targets
-
-    targets_raw = environ.get("MEMTEL_TARGETS", "")
-    if not _flag(environ, "MEMTEL_ENABLE", default=bool(targets_raw.strip())):
-        return None
-    if not targets_raw.strip():
-        raise ValueError("MEMTEL_ENABLE is on but MEMTEL_TARGETS is empty: expected comma-separated "
-                         '"package.module:function" targets or preset names')
-    try:
-        targets = tuple(t.name for t in parse_targets(targets_raw))
-    except ValueError as error:
-        raise ValueError(f"MEMTEL_TARGETS: {error}") from None
-    port_raw = environ.get("MEMTEL_PORT", "").strip()
-    port: int | None = DEFAULT_PORT
-    if port_raw.lower() == "off":
-        port = None
-    elif port_raw:
-        try:
-            port = int(port_raw)
-        except ValueError:
-            port = -1
-        if not 0 < port < 65536:
-            raise ValueError(f"MEMTEL_PORT={port_raw!r} is not a port: expected an integer in 1..65535 "
-                             '(each process listens on MEMTEL_PORT + its local rank) or "off"')
-    log_dir = environ.get("MEMTEL_LOG_DIR") or None
-    if log_dir is not None:
-        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
-            raise ValueError(f"MEMTEL_LOG_DIR={log_dir!r} exists and is not a directory")
-        try:
-            os.makedirs(log_dir, exist_ok=True)
-        except OSError as error:
-            raise ValueError(f"MEMTEL_LOG_DIR={log_dir!r} cannot be created: {error.strerror}") from None
-        if not os.access(log_dir, os.W_OK | os.X_OK):
-            raise ValueError(f"MEMTEL_LOG_DIR={log_dir!r} is not writable")
-    addr = environ.get("MEMTEL_ADDR", "").strip() or "0.0.0.0"
-    return PluginConfig(targets, port, addr, log_dir, _flag(environ, "MEMTEL_RECORD_SHAPE", default=False))
+    vLLM configures only its own `vllm` logger (propagate off) and leaves the root logger bare, where
+    INFO lines go nowhere. Nothing changes where `memtel` has handlers already, where the root logger
+    has some (the application configured logging) or where vLLM's logging is off (VLLM_CONFIGURE_LOGGING=0).
+    """
+    memtel = logging.getLogger("memtel")
+    vllm = logging.getLogger("vllm")
+    if memtel.handlers or logging.getLogger().handlers or not vllm.handlers:
+        return
+    for handler in vllm.handlers:
+        memtel.addHandler(handler)
+    memtel.setLevel(vllm.level or logging.INFO)
+    memtel.propagate = False
 
 
 def register(environ: Mapping[str, str] | None = None) -> None:
     """vLLM's entry point. Never raises: the server must start whatever memtel's configuration is."""
     try:
+        show_in_vllm_log()
+    except Exception:
+        pass
+    try:
         config = config_from_env(os.environ if environ is None else environ)
-    except ValueError as error:
+    except ValueError as error:  # ConfigError: one line that says what is wrong
         log.error("memtel telemetry off: %s", error)
         return
     except Exception as error:  # never let telemetry stop the server
@@ -106,9 +76,8 @@ def register(environ: Mapping[str, str] | None = None) -> None:
     if config is None:
         return
     try:
-        from telemetry.hook import install
+        from telemetry.hook import install_config
 
-        install(config.targets, port=config.port, addr=config.addr, log_dir=config.log_dir,
-                record_shape=config.record_shape)
+        install_config(config)
     except Exception as error:
         log.error("memtel telemetry off: installing the hook failed: %r", error)

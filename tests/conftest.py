@@ -1,8 +1,10 @@
 """Suite-wide fixtures and markers.
 
 Markers (pyproject.toml): `gpu` tests are skipped where torch.cuda is unavailable (CI has no GPU;
-they run on the device machine). `vllm`, `prometheus` and `kmsg` tests are never skipped: scripts/test
-installs what they need, and a missing part fails them with a message that says how to get it.
+they run on the device machine). `kmsg` tests write into the machine's kernel log and run only with
+MEMTEL_TEST_KMSG=1 (CI's .ci/run sets it; tests/support/kmsg.py). `vllm` and `prometheus` tests are
+never skipped: scripts/test installs what they need, and a missing part fails them with a message
+that says how to get it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.support.kmsg import SKIP_REASON, opted_in
+
+    if not opted_in():
+        skip_kmsg = pytest.mark.skip(reason=SKIP_REASON)
+        for item in items:
+            if "kmsg" in item.keywords:
+                item.add_marker(skip_kmsg)
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu): run on the device machine")

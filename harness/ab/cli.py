@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from telemetry.errors import ConfigError
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="ab_command", metavar="{run,report}")
@@ -28,27 +30,21 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     if args.ab_command == "report":
         return _report(args.run_dir)
-    print("usage: memtel ab {run LADDER.yaml [--out DIR] [--resume] [--overwrite] | report DIR}", file=sys.stderr)
-    return 2
+    raise ConfigError("usage: memtel ab {run LADDER.yaml [--out DIR] [--resume] [--overwrite] | report DIR}")
 
 
 def _run(args: argparse.Namespace) -> int:
-    from harness.ab.config import LadderError, load_ladder
-    from harness.ab.runner import RunDirError, run_ladder
+    from harness.ab.config import load_ladder
+    from harness.ab.runner import run_ladder
 
     if args.resume and args.overwrite:
-        print("error: --resume and --overwrite exclude each other", file=sys.stderr)
-        return 2
+        raise ConfigError("--resume and --overwrite exclude each other")
     if args.resume and args.out is None:
-        print("error: --resume needs --out DIR (the run to finish)", file=sys.stderr)
-        return 2
+        raise ConfigError("--resume needs --out DIR (the run to finish)")
     out = args.out or Path("runs") / f"{args.ladder.stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    ladder = load_ladder(args.ladder)
     try:
-        ladder = load_ladder(args.ladder)
         results = run_ladder(ladder, out, resume=args.resume, overwrite=args.overwrite)
-    except (LadderError, RunDirError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"\ninterrupted; servers stopped. Finish with: memtel ab run {args.ladder} --out {out} --resume",
               file=sys.stderr)
@@ -62,10 +58,5 @@ def _run(args: argparse.Namespace) -> int:
 def _report(run_dir: Path) -> int:
     from harness.ab.report import write_report
 
-    try:
-        path = write_report(run_dir)
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"report: {path}")
+    print(f"report: {write_report(run_dir)}")
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -27,14 +27,11 @@ class RequestResult:
     ended_at: float = 0.0
     ttft_s: float | None = None      # client side: request sent -> first content chunk
     e2e_s: float | None = None
-    prompt_tokens: int | None = None  # the server's usage.prompt_tokens
+    usage_prompt_tokens: int | None = None  # the server's usage.prompt_tokens
     output_tokens: int | None = None  # usage.completion_tokens, else the content chunks counted
     content_chunks: int = 0
     text: str = ""
     finish_reason: str | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -104,7 +101,8 @@ def stream_request(client: httpx.Client, base_url: str, model: str, prompt: str,
     start = time.perf_counter()
     parts: list[str] = []
     try:
-        with client.stream("POST", base_url + path, content=request_bytes, headers=headers, timeout=timeout) as response:
+        with client.stream("POST", base_url + path, content=request_bytes, headers=headers,
+                           timeout=timeout) as response:
             result.status_code = response.status_code
             if response.status_code != 200:
                 response.read()
@@ -131,10 +129,10 @@ def stream_request(client: httpx.Client, base_url: str, model: str, prompt: str,
                 result.finish_reason = finish or result.finish_reason
                 usage = chunk.get("usage")
                 if usage:
-                    result.prompt_tokens = usage.get("prompt_tokens")
+                    result.usage_prompt_tokens = usage.get("prompt_tokens")
                     result.output_tokens = usage.get("completion_tokens")
         result.e2e_s = time.perf_counter() - start
-        if result.finish_reason is None and result.prompt_tokens is None:
+        if result.finish_reason is None and result.usage_prompt_tokens is None:
             result.error = "stream ended without a finish reason or usage (server died mid-request?)"
         else:
             result.ok = True

@@ -21,19 +21,14 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from telemetry.errors import ConfigError
+
 API_KINDS = ("completions", "chat")
 ARM_ORDERS = ("ABAB", "AABB")
 ON_ERROR = ("stop-arm", "continue")
 
-# The ladder of the issue: a cold ~100k prefill, another ~100k with different content, then ~200k.
-DEFAULT_STEPS = (
-    {"label": "cold-100k", "tokens": 100_000, "seed": 1},
-    {"label": "cold-100k-b", "tokens": 100_000, "seed": 2},
-    {"label": "cold-200k", "tokens": 200_000, "seed": 3},
-)
 
-
-class LadderError(ValueError):
+class LadderError(ConfigError):
     """A ladder file that cannot be used; the message names the file and the field."""
 
 
@@ -78,9 +73,15 @@ class Arm:
 
 @dataclass(frozen=True)
 class Step:
+    """One rung of the ladder: a prompt of `tokens` tokens (the target), built from `seed`."""
+
     label: str
     tokens: int
     seed: int
+
+
+# The ladder of the issue: a cold ~100k prefill, another ~100k with different content, then ~200k.
+DEFAULT_STEPS = (Step("cold-100k", 100_000, 1), Step("cold-100k-b", 100_000, 2), Step("cold-200k", 200_000, 3))
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ def _resolve_paths(ladder: Ladder, base: Path) -> Ladder:
     arms = []
     for arm in ladder.arms:
         if arm.serve is not None and arm.serve.cwd and not Path(arm.serve.cwd).is_absolute():
-            arm = dataclasses.replace(arm, serve=dataclasses.replace(arm.serve, cwd=str((base / arm.serve.cwd).resolve())))
+            cwd = str((base / arm.serve.cwd).resolve())
+            arm = dataclasses.replace(arm, serve=dataclasses.replace(arm.serve, cwd=cwd))
         arms.append(arm)
     return dataclasses.replace(ladder, arms=tuple(arms))
 
@@ -216,7 +218,7 @@ class _Parser:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise self.fail(path, f"expected an http(s) URL such as http://127.0.0.1:8000, got {value!r}")
         try:
-            parts.port
+            _ = parts.port  # raises on a port that is not a number in 0..65535
         except ValueError:
             raise self.fail(path, f"bad port in URL {value!r}") from None
         return value.rstrip("/")
@@ -260,7 +262,8 @@ class _Parser:
                             ("env", "cwd", "startup_timeout_s", "stop_grace_s", "log_file", "inherit_env"))
         command = data["command"]
         if isinstance(command, str) or not isinstance(command, list) or not command:
-            raise self.fail(_join(path, "command"), f"expected a non-empty list of strings (argv), got {_kind(command)}")
+            raise self.fail(_join(path, "command"),
+                            f"expected a non-empty list of strings (argv), got {_kind(command)}")
         argv = tuple(self.string(str(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a,
                                  f"{_join(path, 'command')}[{i}]") for i, a in enumerate(command))
         env: dict[str, str] = {}
@@ -278,7 +281,8 @@ class _Parser:
             cwd=self.string(data["cwd"], _join(path, "cwd")) if data.get("cwd") is not None else None,
             startup_timeout_s=self.number(data.get("startup_timeout_s", 600.0), _join(path, "startup_timeout_s"), 1.0),
             stop_grace_s=self.number(data.get("stop_grace_s", 30.0), _join(path, "stop_grace_s"), 0.0),
-            log_file=self.string(data["log_file"], _join(path, "log_file")) if data.get("log_file") is not None else None,
+            log_file=(self.string(data["log_file"], _join(path, "log_file")) if data.get("log_file") is not None
+                      else None),
             inherit_env=self.boolean(data.get("inherit_env", True), _join(path, "inherit_env")),
         )
 
@@ -296,13 +300,14 @@ class _Parser:
         else:
             raise self.fail(path, "an arm needs `url` (a server someone else runs) or `serve` (a command to start)")
         ranks = self.url_map(data["ranks"], _join(path, "ranks")) if data.get("ranks") is not None else None
-        hook_log_dir = self.string(data["hook_log_dir"], _join(path, "hook_log_dir")) if data.get("hook_log_dir") else None
+        hook_log_dir = (self.string(data["hook_log_dir"], _join(path, "hook_log_dir")) if data.get("hook_log_dir")
+                        else None)
         on_error = self.choice(data["on_error"], _join(path, "on_error"), ON_ERROR) if data.get("on_error") else None
         return Arm(name=name, url=url, serve=serve, ranks=ranks, hook_log_dir=hook_log_dir, on_error=on_error)
 
     def steps(self, data: Any, path: str) -> tuple[Step, ...]:
         if data is None:
-            data = [dict(s) for s in DEFAULT_STEPS]
+            data = [dataclasses.asdict(s) for s in DEFAULT_STEPS]
         if not isinstance(data, list) or not data:
             raise self.fail(path, f"expected a non-empty list of {{label, tokens, seed}}, got {_kind(data)}")
         steps: list[Step] = []
@@ -316,7 +321,8 @@ class _Parser:
             )
             for j, other in enumerate(steps):
                 if other.label == step.label:
-                    raise self.fail(_join(item_path, "label"), f"{step.label!r} is already used by {path}[{j}]; labels must be unique")
+                    raise self.fail(_join(item_path, "label"),
+                                    f"{step.label!r} is already used by {path}[{j}]; labels must be unique")
                 if other.seed == step.seed:
                     raise self.fail(_join(item_path, "seed"), f"{step.seed} is already used by {path}[{j}]; "
                                     "each step needs its own seed so no prompt repeats and the prefix cache never hits")

@@ -22,10 +22,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from telemetry.errors import RunError
+
 # Common English words: real tokenizers give each one or two tokens, which keeps the
 # tokens-per-word ratio stable and the needle retrievable by a real model.
-WORDS: tuple[str, ...] = tuple(
-    ["the", "river", "city", "morning", "light", "stone", "garden", "window", "market", "winter", "summer", "evening", "house", "road", "field", "bridge", "village", "forest", "mountain", "valley", "harbor", "island", "castle", "tower", "library", "school", "teacher", "student", "doctor", "farmer", "baker", "painter", "writer", "singer", "sailor", "soldier", "traveler", "child", "mother", "father", "brother", "sister", "friend", "neighbor", "stranger", "king", "queen", "prince", "merchant", "captain", "engineer", "gardener", "keeper", "walked", "carried", "opened", "closed", "found", "lost", "built", "painted", "wrote", "read", "watched", "heard", "followed", "crossed", "climbed", "counted", "gathered", "measured", "repaired", "visited", "remembered", "forgot", "planted", "cleaned", "finished", "started", "waited", "answered", "asked", "explained", "noticed", "shared", "bought", "sold", "borrowed", "returned", "discovered", "quietly", "slowly", "carefully", "early", "late", "often", "rarely", "always", "suddenly", "finally", "together", "alone", "again", "old", "new", "small", "large", "quiet", "busy", "bright", "dark", "warm", "cold", "green", "blue", "red", "yellow", "wooden", "narrow", "wide", "ancient", "modern", "simple", "careful", "happy", "tired", "gentle", "patient", "clever", "honest", "famous", "hidden", "distant", "letter", "book", "map", "lamp", "table", "chair", "door", "key", "coin", "box", "bag", "rope", "boat", "cart", "wheel", "clock", "bell", "cup", "bread", "apple", "cheese", "fish", "salt", "tea", "water", "fire", "wind", "rain", "snow", "cloud", "star", "moon", "sun", "tree", "flower", "grass", "hill", "lake", "sea", "shore", "path", "wall", "gate", "roof", "floor", "room", "kitchen", "hall", "office", "station", "museum", "after", "before", "during", "under", "over", "near", "beside", "behind", "across", "through", "along", "around", "between"])
+WORDS: tuple[str, ...] = (
+    "the", "river", "city", "morning", "light", "stone", "garden", "window", "market", "winter", "summer",
+    "evening", "house", "road", "field", "bridge", "village", "forest", "mountain", "valley", "harbor",
+    "island", "castle", "tower", "library", "school", "teacher", "student", "doctor", "farmer", "baker",
+    "painter", "writer", "singer", "sailor", "soldier", "traveler", "child", "mother", "father", "brother",
+    "sister", "friend", "neighbor", "stranger", "king", "queen", "prince", "merchant", "captain", "engineer",
+    "gardener", "keeper", "walked", "carried", "opened", "closed", "found", "lost", "built", "painted", "wrote",
+    "read", "watched", "heard", "followed", "crossed", "climbed", "counted", "gathered", "measured", "repaired",
+    "visited", "remembered", "forgot", "planted", "cleaned", "finished", "started", "waited", "answered",
+    "asked", "explained", "noticed", "shared", "bought", "sold", "borrowed", "returned", "discovered",
+    "quietly", "slowly", "carefully", "early", "late", "often", "rarely", "always", "suddenly", "finally",
+    "together", "alone", "again", "old", "new", "small", "large", "quiet", "busy", "bright", "dark", "warm",
+    "cold", "green", "blue", "red", "yellow", "wooden", "narrow", "wide", "ancient", "modern", "simple",
+    "careful", "happy", "tired", "gentle", "patient", "clever", "honest", "famous", "hidden", "distant",
+    "letter", "book", "map", "lamp", "table", "chair", "door", "key", "coin", "box", "bag", "rope", "boat",
+    "cart", "wheel", "clock", "bell", "cup", "bread", "apple", "cheese", "fish", "salt", "tea", "water", "fire",
+    "wind", "rain", "snow", "cloud", "star", "moon", "sun", "tree", "flower", "grass", "hill", "lake", "sea",
+    "shore", "path", "wall", "gate", "roof", "floor", "room", "kitchen", "hall", "office", "station", "museum",
+    "after", "before", "during", "under", "over", "near", "beside", "behind", "across", "through", "along",
+    "around", "between",
+)
 
 COLORS = ("amber", "cobalt", "crimson", "emerald", "ivory", "jade", "ochre", "scarlet", "silver", "violet")
 PLACES = ("archive", "cellar", "harbor", "lighthouse", "mill", "observatory", "orchard", "quarry", "tower", "vault")
@@ -33,14 +54,14 @@ PAD_WORD = "a"
 DEFAULT_MAX_CALLS = 8
 
 
-class PromptError(RuntimeError):
+class PromptError(RunError):
     """The prompt could not be brought to the requested token count."""
 
 
 @dataclass(frozen=True)
 class Prompt:
     text: str
-    token_count: int  # as counted by the server's tokenizer (the same count the server's usage reports)
+    prompt_tokens: int  # as counted by the server's tokenizer (the same count the server's usage reports)
     needle: str       # the fact sentence
     answer: str       # what a correct reply contains
     question: str
@@ -91,7 +112,8 @@ def _parts(seed: int, repeat: int, words: Sequence[str]) -> _Parts:
     # Seeded words up front: the very first cache block differs between prompts whatever the tokenizer.
     opening = " ".join(rng.choice(words) for _ in range(8))
     return _Parts(
-        header=f"Record {seed}-{repeat} {rng.randrange(10**9):09d} {opening}. Read the whole record, then answer the question at the end.",
+        header=f"Record {seed}-{repeat} {rng.randrange(10**9):09d} {opening}. "
+               "Read the whole record, then answer the question at the end.",
         needle=f"The secret code of the {color} {place} is {code}.",
         question=f"What is the secret code of the {color} {place}? Answer with the number only.",
         answer=code,
@@ -125,7 +147,7 @@ class _Filler:
 
 def _render(parts: _Parts, filler: _Filler, n_words: int, pad: int, depth: float) -> str:
     words = filler.words(n_words)
-    cut = int(round(len(words) * depth))
+    cut = round(len(words) * depth)
     body = [*words[:cut], parts.needle, *words[cut:], *([PAD_WORD] * pad)]
     return f"{parts.header}\n\n{' '.join(body)}\n\nQuestion: {parts.question}\nAnswer:"
 
@@ -184,7 +206,7 @@ def build_prompt(target_tokens: int, seed: int, count_tokens: Callable[[str], in
                           f"with {n} filler and {pad} pad words): the tokenizer does not count the pad word "
                           f"{PAD_WORD!r} as one token")
     return Prompt(
-        text=_render(parts, filler, n, pad, needle_depth), token_count=c, needle=parts.needle,
+        text=_render(parts, filler, n, pad, needle_depth), prompt_tokens=c, needle=parts.needle,
         answer=parts.answer, question=parts.question, seed=seed, repeat=repeat, tokenize_calls=calls,
         filler_words=n, pad_words=pad,
     )

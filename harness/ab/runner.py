@@ -27,15 +27,39 @@ import httpx
 from harness.ab.client import RequestResult, Tokenizer, stream_request
 from harness.ab.config import Arm, Ladder, LadderError, Step, check_reachable
 from harness.ab.prompts import Prompt, answer_found, build_prompt, load_words
-from harness.ab.records import RESULTS_FILE, RecordWriter, finished_steps, read_records, step_key, unstopped_servers
+from harness.ab.records import (
+    RESULTS_FILE,
+    ArmStopped,
+    NodeSample,
+    NodeSnapshot,
+    PromptBuilt,
+    Record,
+    RecordWriter,
+    RequestDone,
+    RunEnd,
+    RunStart,
+    Scrape,
+    ServeFailed,
+    ServeReady,
+    ServerInfo,
+    ServerSnapshot,
+    ServeStart,
+    ServeStop,
+    StepSkipped,
+    finished_steps,
+    of_type,
+    read_records,
+    unstopped_servers,
+)
 from harness.ab.samplers import NodeSampler, Scraper
 from harness.ab.serve import ServedProcess, ServeError, kill_stale
+from telemetry.errors import ConfigError
 
 RUN_DIR_ENTRIES = (RESULTS_FILE, "report.md", "summary.json", "plots", "prompts", "logs", "hook-logs")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class RunDirError(RuntimeError):
+class RunDirError(ConfigError):
     """The run directory cannot be used as asked (finished run without --overwrite, other ladder)."""
 
 
@@ -65,7 +89,7 @@ def run_ladder(ladder: Ladder, out_dir: str | Path, resume: bool = False, overwr
     """Run (or resume) the ladder into out_dir; returns the path of results.jsonl."""
     out_dir = Path(out_dir)
     results = out_dir / RESULTS_FILE
-    prior: list[dict] = []
+    prior: list[Record] = []
     holds_run = results.exists() and results.stat().st_size > 0
     if holds_run:
         if resume:
@@ -74,8 +98,9 @@ def run_ladder(ladder: Ladder, out_dir: str | Path, resume: bool = False, overwr
         elif not overwrite:
             raise RunDirError(f"{out_dir} already holds a run ({RESULTS_FILE}); pass --resume to finish it "
                               "or --overwrite to start over")
-    for record in unstopped_servers(read_records(results) if holds_run else []):
-        kill_stale(record["pgid"], record["command"])  # a SIGKILLed harness may have left its server behind
+    # Best effort: an old run's unreadable records must not stop --overwrite from replacing it.
+    for record in unstopped_servers(read_records(results, skip_unreadable=True) if holds_run else []):
+        kill_stale(record.pgid, record.command)  # a SIGKILLed harness may have left its server behind
     check_reachable(ladder)  # before anything starts, and before --overwrite deletes anything
     if holds_run and overwrite and not resume:
         for name in RUN_DIR_ENTRIES:
@@ -94,11 +119,11 @@ def run_ladder(ladder: Ladder, out_dir: str | Path, resume: bool = False, overwr
     return results
 
 
-def _check_same_ladder(prior: list[dict], ladder: Ladder, out_dir: Path) -> None:
-    starts = [r for r in prior if r["event"] == "run_start"]
+def _check_same_ladder(prior: list[Record], ladder: Ladder, out_dir: Path) -> None:
+    starts = of_type(prior, RunStart)
     if not starts:
         return
-    before = starts[0]["ladder"]
+    before = json.loads(json.dumps(starts[0].ladder.to_dict()))
     now = json.loads(json.dumps(ladder.to_dict()))
     if before != now:
         keys = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
@@ -151,7 +176,7 @@ class _Status:
 
 
 class _Run:
-    def __init__(self, ladder: Ladder, out_dir: Path, writer: RecordWriter, prior: list[dict], console) -> None:
+    def __init__(self, ladder: Ladder, out_dir: Path, writer: RecordWriter, prior: list[Record], console) -> None:
         from rich.console import Console
 
         self.ladder = ladder
@@ -164,7 +189,7 @@ class _Run:
         self.scraper = Scraper()
         self.http = httpx.Client(timeout=30.0)
         self.prompts: dict[tuple[str, int], Prompt] = {}
-        self.prompt_records = {(r["step"], r["repeat"]): r for r in prior if r["event"] == "prompt"}
+        self.prompt_records = {(r.step, r.repeat): r for r in of_type(prior, PromptBuilt)}
         self.server: ServedProcess | None = None
         self.words = load_words(ladder.request.words_file) if ladder.request.words_file else None
 
@@ -176,13 +201,12 @@ class _Run:
         source_text = None
         with contextlib.suppress(OSError):
             source_text = Path(self.ladder.source).read_text()
-        self.writer.write("run_start", resumed=bool(self.prior), ladder=self.ladder.to_dict(),
-                          ladder_source=self.ladder.source, ladder_text=source_text, environment=environment())
+        self.writer.write(RunStart(resumed=bool(self.prior), ladder=self.ladder, ladder_source=self.ladder.source,
+                                   ladder_text=source_text, environment=environment()))
         status = "error"
         try:
             with Live(get_renderable=self.status.render, console=self.console, refresh_per_second=2,
-                      transient=False) as live:
-                self.live = live
+                      transient=False):
                 for arm, repeat in schedule(self.ladder):
                     self.run_block(arm, repeat)
             status = "complete"
@@ -191,7 +215,7 @@ class _Run:
             raise
         finally:
             self.stop_server()
-            self.writer.write("run_end", status=status)
+            self.writer.write(RunEnd(status=status))
             self.scraper.close()
             self.http.close()
 
@@ -219,11 +243,12 @@ class _Run:
         server = ServedProcess(spec, log_path, extra_env=extra_env)
         server.start()
         self.server = server
-        self.writer.write("serve_start", arm=arm.name, repeat=repeat, command=list(spec.command), env=spec.env,
-                          cwd=spec.cwd, pid=server.pid, pgid=server.pid, log=self.relative(log_path),
-                          hook_log_dir=self.relative(Path(hook_log_dir)) if hook_log_dir else None)
+        assert server.pid is not None
+        self.writer.write(ServeStart(arm=arm.name, repeat=repeat, command=list(spec.command), env=spec.env,
+                                     cwd=spec.cwd, pid=server.pid, pgid=server.pid, log=self.relative(log_path),
+                                     hook_log_dir=self.relative(Path(hook_log_dir)) if hook_log_dir else None))
         seconds = server.wait_healthy()
-        self.writer.write("serve_ready", arm=arm.name, repeat=repeat, pgid=server.pid, startup_s=seconds)
+        self.writer.write(ServeReady(arm=arm.name, repeat=repeat, pgid=server.pid, startup_s=seconds))
         self.log(f"[{arm.name} r{repeat}] server ready in {seconds:.1f} s (pid {server.pid})")
 
     def relative(self, path: Path) -> str:
@@ -245,7 +270,7 @@ class _Run:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
-        self.writer.write("serve_stop", pgid=server.pid, how=how, exit_code=server.process.returncode)
+        self.writer.write(ServeStop(pgid=server.pid, how=how, exit_code=server.process.returncode))
 
     def server_alive(self, arm: Arm) -> bool:
         if self.server is not None:
@@ -256,7 +281,7 @@ class _Run:
             return False
 
     def server_info(self, arm: Arm, repeat: int, ranks: dict) -> None:
-        info: dict = {"arm": arm.name, "repeat": repeat, "url": arm.url}
+        info: dict = {}
         for key, path in (("version", "/version"), ("models", "/v1/models")):
             try:
                 response = self.http.get(arm.url + path, timeout=10.0)
@@ -269,8 +294,8 @@ class _Run:
                 self.http.get(url, timeout=5.0).raise_for_status()
             except httpx.HTTPError as exc:
                 rank_errors[name] = f"{url}: {type(exc).__name__}: {exc}"
-        info["rank_errors"] = rank_errors
-        self.writer.write("server_info", **info)
+        self.writer.write(ServerInfo(arm=arm.name, repeat=repeat, url=arm.url, version=info["version"],
+                                     models=info["models"], rank_errors=rank_errors))
         for name, error in rank_errors.items():
             self.log(f"[{arm.name} r{repeat}] warning: rank {name} not reachable ({error})")
 
@@ -290,10 +315,10 @@ class _Run:
         stored = self.prompt_records.get(key)
         if stored is not None and path.exists():
             text = path.read_text()
-            prompt = Prompt(text=text, token_count=stored["token_count"], needle=stored["needle"],
-                            answer=stored["answer"], question=stored["question"], seed=step.seed, repeat=repeat,
-                            tokenize_calls=0, filler_words=stored["filler_words"], pad_words=stored["pad_words"])
-            if prompt.sha256 == stored["sha256"]:
+            prompt = Prompt(text=text, prompt_tokens=stored.prompt_tokens, needle=stored.needle,
+                            answer=stored.answer, question=stored.question, seed=step.seed, repeat=repeat,
+                            tokenize_calls=0, filler_words=stored.filler_words, pad_words=stored.pad_words)
+            if prompt.sha256 == stored.sha256:
                 self.prompts[key] = prompt
                 return prompt
         self.status.phase = "building prompt"
@@ -303,19 +328,19 @@ class _Run:
                               needle_depth=self.ladder.request.needle_depth, words=self.words)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(prompt.text)
-        self.writer.write("prompt", step=step.label, repeat=repeat, seed=step.seed, tokens=step.tokens,
-                          token_count=prompt.token_count, tokenize_calls=prompt.tokenize_calls,
-                          build_s=time.perf_counter() - started, sha256=prompt.sha256,
-                          path=str(path.relative_to(self.out_dir)), needle=prompt.needle, answer=prompt.answer,
-                          question=prompt.question, filler_words=prompt.filler_words, pad_words=prompt.pad_words,
-                          built_with=arm.name, max_model_len=tokenizer.max_model_len)
+        self.writer.write(PromptBuilt(
+            step=step.label, repeat=repeat, seed=step.seed, target_tokens=step.tokens,
+            prompt_tokens=prompt.prompt_tokens, tokenize_calls=prompt.tokenize_calls,
+            build_s=time.perf_counter() - started, sha256=prompt.sha256, path=str(path.relative_to(self.out_dir)),
+            needle=prompt.needle, answer=prompt.answer, question=prompt.question, filler_words=prompt.filler_words,
+            pad_words=prompt.pad_words, built_with=arm.name, max_model_len=tokenizer.max_model_len))
         self.prompts[key] = prompt
         return prompt
 
     # -- one block: an arm's ladder for one repeat --
 
     def run_block(self, arm: Arm, repeat: int) -> None:
-        todo = [s for s in self.ladder.steps if step_key(arm.name, repeat, s.label) not in self.done]
+        todo = [s for s in self.ladder.steps if (arm.name, repeat, s.label) not in self.done]
         if not todo:
             return
         self.status.arm, self.status.repeat, self.status.steps = arm.name, repeat, len(self.ladder.steps)
@@ -357,31 +382,31 @@ class _Run:
                 self.prompt_for(step, repeat, arm)
         except (ServeError, httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
             if isinstance(exc, ServeError):
-                self.writer.write("serve_failed", arm=arm.name, repeat=repeat, error=str(exc))
+                self.writer.write(ServeFailed(arm=arm.name, repeat=repeat, error=str(exc)))
             self.stop_server()
             self.stop_arm(arm, repeat, todo, f"could not start: {type(exc).__name__}: {exc}")
             return False
         self.status.phase = "baseline scrape"
         snap = self.scraper.all(self.ladder.nodes, ranks, arm.url)
-        self.writer.write("scrape", phase="baseline", arm=arm.name, repeat=repeat, step=None,
-                          resumed=any(step_key(arm.name, repeat, s.label) in self.done for s in self.ladder.steps),
-                          **snap)
+        self.writer.write(Scrape(phase="baseline", arm=arm.name, repeat=repeat, step=None, nodes=snap.nodes,
+                                 ranks=snap.ranks, server=snap.server,
+                                 resumed=any((arm.name, repeat, s.label) in self.done for s in self.ladder.steps)))
         return True
 
     def stop_arm(self, arm: Arm, repeat: int, rest: list[Step], reason: str) -> None:
-        self.writer.write("arm_stopped", arm=arm.name, repeat=repeat, reason=reason)
+        self.writer.write(ArmStopped(arm=arm.name, repeat=repeat, reason=reason))
         for step in rest:
-            self.writer.write("step_skipped", arm=arm.name, repeat=repeat, step=step.label, reason=reason)
+            self.writer.write(StepSkipped(arm=arm.name, repeat=repeat, step=step.label, reason=reason))
         self.log(f"[{arm.name} r{repeat}] arm stopped: {reason}")
 
     def run_step(self, arm: Arm, repeat: int, step: Step, ranks: dict) -> RequestResult:
         prompt = self.prompts[(step.label, repeat)]
-        self.status.step, self.status.tokens = step.label, prompt.token_count
+        self.status.step, self.status.tokens = step.label, prompt.prompt_tokens
         self.status.step_index = [s.label for s in self.ladder.steps].index(step.label) + 1
         before = self.scraper.server(arm.url)
 
-        def on_sample(node: str, snap: dict) -> None:
-            self.writer.write("node_sample", arm=arm.name, repeat=repeat, step=step.label, node=node, **snap)
+        def on_sample(node: str, snap: NodeSnapshot) -> None:
+            self.writer.write(NodeSample(arm=arm.name, repeat=repeat, step=step.label, node=node, snapshot=snap))
 
         self.status.phase = "prefill + decode"
         self.status.step_started = time.monotonic()
@@ -389,23 +414,27 @@ class _Run:
             result = stream_request(self.http, arm.url, self.model_name(arm), prompt.text, self.ladder.request)
         self.status.phase = "scraping"
         after = self.scraper.all(self.ladder.nodes, ranks, arm.url)
-        server_ttft = _server_ttft(before, after.get("server"))
-        cache_hits = _counter_delta(before, after.get("server"), "prefix_cache_hits_total")
+        server_ttft = _server_ttft(before, after.server)
+        cache_hits = _cache_hit_delta(before, after.server)
         needle = answer_found(prompt.answer, result.text) if self.ladder.request.check_answer and result.ok else None
-        self.writer.write(
-            "request", arm=arm.name, repeat=repeat, step=step.label, seed=step.seed, tokens=step.tokens,
-            prompt_token_count=prompt.token_count, prompt_sha256=prompt.sha256,
-            prompt_tokens_match=(result.prompt_tokens == prompt.token_count) if result.prompt_tokens is not None else None,
-            server_ttft_s=server_ttft, prefix_cache_hit_tokens=cache_hits, needle_found=needle, answer=prompt.answer,
-            min_mem_available_bytes=sampler.min_mem_available, max_swap_used_bytes=sampler.max_swap_used,
-            node_samples=sampler.samples, **{k: v for k, v in result.to_dict().items() if k != "text"},
-            reply=result.text[:500],
-        )
-        self.writer.write("scrape", phase="after", arm=arm.name, repeat=repeat, step=step.label, **after)
-        self.done.add(step_key(arm.name, repeat, step.label))
+        usage = result.usage_prompt_tokens
+        self.writer.write(RequestDone(
+            arm=arm.name, repeat=repeat, step=step.label, seed=step.seed, target_tokens=step.tokens,
+            prompt_tokens=prompt.prompt_tokens, prompt_sha256=prompt.sha256, usage_prompt_tokens=usage,
+            prompt_tokens_match=(usage == prompt.prompt_tokens) if usage is not None else None,
+            ok=result.ok, error=result.error, status_code=result.status_code, started_at=result.started_at,
+            ended_at=result.ended_at, ttft_s=result.ttft_s, e2e_s=result.e2e_s, server_ttft_s=server_ttft,
+            output_tokens=result.output_tokens, content_chunks=result.content_chunks,
+            finish_reason=result.finish_reason, prefix_cache_hit_tokens=cache_hits, needle_found=needle,
+            answer=prompt.answer, reply=result.text[:500], min_mem_available_bytes=sampler.min_mem_available,
+            max_swap_used_bytes=sampler.max_swap_used, node_samples=sampler.samples))
+        self.writer.write(Scrape(phase="after", arm=arm.name, repeat=repeat, step=step.label, nodes=after.nodes,
+                                 ranks=after.ranks, server=after.server))
+        self.done.add((arm.name, repeat, step.label))
         self.status.last_ttft = result.ttft_s
         if result.ok:
-            self.log(f"[{arm.name} r{repeat}] {step.label}: {prompt.token_count:,} tokens, TTFT {result.ttft_s or 0:.3f} s "
+            self.log(f"[{arm.name} r{repeat}] {step.label}: {prompt.prompt_tokens:,} tokens, "
+                     f"TTFT {result.ttft_s or 0:.3f} s "
                      f"(server {server_ttft if server_ttft is None else round(server_ttft, 3)} s), "
                      f"e2e {result.e2e_s:.2f} s, {result.output_tokens} output tokens")
         else:
@@ -413,22 +442,24 @@ class _Run:
         return result
 
 
-def _server_ttft(before: dict | None, after: dict | None) -> float | None:
+def _server_ttft(before: ServerSnapshot | None, after: ServerSnapshot | None) -> float | None:
     """The server's own TTFT for the one request between two scrapes (sum/count deltas)."""
-    if not before or not after or "error" in before or "error" in after:
+    if before is None or after is None or before.error or after.error:
         return None
-    if None in (before.get("ttft_sum_s"), after.get("ttft_sum_s"), before.get("ttft_count"), after.get("ttft_count")):
+    if before.ttft_sum_s is None or after.ttft_sum_s is None or before.ttft_count is None or after.ttft_count is None:
         return None
-    count = after["ttft_count"] - before["ttft_count"]
+    count = after.ttft_count - before.ttft_count
     if count <= 0:
         return None
-    return (after["ttft_sum_s"] - before["ttft_sum_s"]) / count
+    return (after.ttft_sum_s - before.ttft_sum_s) / count
 
 
-def _counter_delta(before: dict | None, after: dict | None, key: str) -> float | None:
-    if not before or not after or before.get(key) is None or after.get(key) is None:
+def _cache_hit_delta(before: ServerSnapshot | None, after: ServerSnapshot | None) -> float | None:
+    if before is None or after is None:
         return None
-    return after[key] - before[key]
+    if before.prefix_cache_hits_total is None or after.prefix_cache_hits_total is None:
+        return None
+    return after.prefix_cache_hits_total - before.prefix_cache_hits_total
 
 
 def _expand(value: str, fields: dict) -> str:

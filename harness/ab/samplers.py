@@ -1,8 +1,9 @@
 """Telemetry samplers: scrape nodes (the memtel daemon), ranks (the hook exporter) and the server.
 
 `parse_metrics` is pure (text -> samples, with prometheus_client's text parser); the snapshot
-functions pick the fixed metric names of docs/architecture.md out of it. A series that is not
-exported is absent from the snapshot (None), never 0. A scrape that fails gives {"error": ...}.
+functions pick the fixed metric names of docs/architecture.md out of it into the typed snapshots of
+harness/ab/records.py. A series that is not exported is None in the snapshot, never 0. A scrape that
+fails gives a snapshot with only `error` set.
 
 `NodeSampler` scrapes every node once per `interval_s` in a background thread while a request runs,
 to catch the lowest MemAvailable and any swap during a prefill that lasts minutes.
@@ -13,11 +14,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.ab.records import NodeSnapshot, RankSnapshot, ServerSnapshot, Snapshot
+
 Samples = dict[str, list[tuple[dict[str, str], float]]]
+S = TypeVar("S", bound=Snapshot)
 
 NODE_GAUGES = {
     "mem_available_bytes": "memtel_node_mem_available_bytes",
@@ -34,10 +40,10 @@ NODE_COUNTERS = {
 RANK_PROCESS_WIDE = {
     "reserved_bytes": "memtel_allocator_reserved_bytes",
     "allocated_bytes": "memtel_allocator_allocated_bytes",
-    "device_alloc_total": "memtel_allocator_device_alloc_total",
-    "device_free_total": "memtel_allocator_device_free_total",
-    "alloc_retries_total": "memtel_allocator_alloc_retries_total",
-    "ooms_total": "memtel_allocator_ooms_total",
+    "num_device_alloc": "memtel_allocator_device_alloc_total",
+    "num_device_free": "memtel_allocator_device_free_total",
+    "num_alloc_retries": "memtel_allocator_alloc_retries_total",
+    "num_ooms": "memtel_allocator_ooms_total",
     "host_mem_available_bytes": "memtel_hook_host_mem_available_bytes",
 }
 # Per-site counters: add them up.
@@ -70,24 +76,32 @@ def _max(samples: Samples, name: str) -> float | None:
     return max(v for _, v in values) if values else None
 
 
-def node_snapshot(samples: Samples) -> dict:
-    snap: dict = {key: _sum(samples, name) for key, name in NODE_GAUGES.items()}
-    snap.update({key: _sum(samples, name) for key, name in NODE_COUNTERS.items()})
+def node_snapshot(samples: Samples, ts: float | None = None) -> NodeSnapshot:
     xids = samples.get("memtel_kernel_xid_total") or []
-    snap["xid_by_code"] = {labels.get("xid", "?"): value for labels, value in xids}
-    return snap
+    values: dict[str, Any] = {key: _sum(samples, name) for key, name in {**NODE_GAUGES, **NODE_COUNTERS}.items()}
+    return NodeSnapshot(ts=ts, xid_by_code={labels.get("xid", "?"): value for labels, value in xids}, **values)
 
 
-def rank_snapshot(samples: Samples) -> dict:
-    snap: dict = {key: _max(samples, name) for key, name in RANK_PROCESS_WIDE.items()}
-    snap.update({key: _sum(samples, name) for key, name in RANK_PER_SITE.items()})
-    return snap
+def rank_snapshot(samples: Samples, ts: float | None = None) -> RankSnapshot:
+    values: dict[str, Any] = {key: _max(samples, name) for key, name in RANK_PROCESS_WIDE.items()}
+    values.update({key: _sum(samples, name) for key, name in RANK_PER_SITE.items()})
+    return RankSnapshot(ts=ts, **values)
 
 
-def server_snapshot(samples: Samples) -> dict:
-    return {"ttft_sum_s": _sum(samples, SERVER_TTFT_SUM), "ttft_count": _sum(samples, SERVER_TTFT_COUNT),
-            "prefix_cache_queries_total": _sum(samples, SERVER_PREFIX_CACHE_QUERIES),
-            "prefix_cache_hits_total": _sum(samples, SERVER_PREFIX_CACHE_HITS)}
+def server_snapshot(samples: Samples, ts: float | None = None) -> ServerSnapshot:
+    return ServerSnapshot(ts=ts, ttft_sum_s=_sum(samples, SERVER_TTFT_SUM),
+                          ttft_count=_sum(samples, SERVER_TTFT_COUNT),
+                          prefix_cache_queries_total=_sum(samples, SERVER_PREFIX_CACHE_QUERIES),
+                          prefix_cache_hits_total=_sum(samples, SERVER_PREFIX_CACHE_HITS))
+
+
+@dataclass(frozen=True)
+class ScrapeSet:
+    """One scrape of everything a block watches."""
+
+    nodes: dict[str, NodeSnapshot]
+    ranks: dict[str, RankSnapshot]
+    server: ServerSnapshot | None
 
 
 class Scraper:
@@ -99,29 +113,26 @@ class Scraper:
         response.raise_for_status()
         return parse_metrics(response.text)
 
-    def _one(self, url: str, snapshot: Callable[[Samples], dict]) -> dict:
+    def _one(self, url: str, snapshot: Callable[[Samples, float], S], kind: type[S]) -> S:
         try:
-            snap = snapshot(self.fetch(url))
+            samples = self.fetch(url)
         except Exception as exc:  # a bad endpoint is recorded, never stops the ladder
-            return {"error": f"{type(exc).__name__}: {exc}"}
-        snap["ts"] = time.time()
-        return snap
+            return kind(error=f"{type(exc).__name__}: {exc}")
+        return snapshot(samples, time.time())
 
-    def node(self, url: str) -> dict:
-        return self._one(url, node_snapshot)
+    def node(self, url: str) -> NodeSnapshot:
+        return self._one(url, node_snapshot, NodeSnapshot)
 
-    def rank(self, url: str) -> dict:
-        return self._one(url, rank_snapshot)
+    def rank(self, url: str) -> RankSnapshot:
+        return self._one(url, rank_snapshot, RankSnapshot)
 
-    def server(self, base_url: str) -> dict:
-        return self._one(base_url + "/metrics", server_snapshot)
+    def server(self, base_url: str) -> ServerSnapshot:
+        return self._one(base_url + "/metrics", server_snapshot, ServerSnapshot)
 
-    def all(self, nodes: dict, ranks: dict, server_url: str | None) -> dict:
-        return {
-            "nodes": {name: self.node(url) for name, url in nodes.items()},
-            "ranks": {name: self.rank(url) for name, url in ranks.items()},
-            "server": self.server(server_url) if server_url else None,
-        }
+    def all(self, nodes: dict[str, str], ranks: dict[str, str], server_url: str | None) -> ScrapeSet:
+        return ScrapeSet(nodes={name: self.node(url) for name, url in nodes.items()},
+                         ranks={name: self.rank(url) for name, url in ranks.items()},
+                         server=self.server(server_url) if server_url else None)
 
     def close(self) -> None:
         self.client.close()
@@ -130,7 +141,8 @@ class Scraper:
 class NodeSampler:
     """Scrapes every node each interval in a thread; keeps the minimum MemAvailable and maximum swap."""
 
-    def __init__(self, nodes: dict, interval_s: float, on_sample: Callable[[str, dict], None] | None = None) -> None:
+    def __init__(self, nodes: dict[str, str], interval_s: float,
+                 on_sample: Callable[[str, NodeSnapshot], None] | None = None) -> None:
         self.nodes = dict(nodes)
         self.interval_s = interval_s
         self.on_sample = on_sample
@@ -170,8 +182,8 @@ class NodeSampler:
         finally:
             scraper.close()
 
-    def _note(self, name: str, snap: dict) -> None:
-        available, swap = snap.get("mem_available_bytes"), snap.get("swap_used_bytes")
+    def _note(self, name: str, snap: NodeSnapshot) -> None:
+        available, swap = snap.mem_available_bytes, snap.swap_used_bytes
         if available is not None:
             self.min_mem_available[name] = min(self.min_mem_available.get(name, available), available)
         if swap is not None:

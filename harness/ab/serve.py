@@ -18,12 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from harness.ab.config import ServeSpec
+from harness.processes import wait_healthy
+from telemetry.errors import RunError
 
 
-class ServeError(RuntimeError):
+class ServeError(RunError):
     """The server did not come up: it exited, or was not healthy in time (the message has the log tail)."""
 
 
@@ -90,7 +90,8 @@ class ServedProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"\n=== memtel: starting {' '.join(self.spec.command)} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode())
+            started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            log.write(f"\n=== memtel: starting {' '.join(self.spec.command)} at {started}\n".encode())
             log.flush()
             try:
                 self.process = subprocess.Popen(
@@ -110,28 +111,12 @@ class ServedProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def wait_healthy(self, should_stop=lambda: False) -> float:
+    def wait_healthy(self) -> float:
         """Seconds from start to a 200 from the health URL; ServeError if it exits or times out."""
-        deadline = self.started_monotonic + self.spec.startup_timeout_s
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if not self.alive():
-                    raise ServeError(f"server exited with code {self.process.returncode} before it was healthy; "
-                                     f"log {self.log_path}:\n{self.log_tail()}")
-                try:
-                    if client.get(self.spec.health_url).status_code == 200:
-                        return time.monotonic() - self.started_monotonic
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-        raise ServeError(f"server not healthy at {self.spec.health_url} after {self.spec.startup_timeout_s:.0f} s; "
-                         f"log {self.log_path}:\n{self.log_tail()}")
+        if self.process is None:
+            raise ServeError("the server was not started")
+        return wait_healthy(self.spec.health_url, self.process, timeout_s=self.spec.startup_timeout_s,
+                            log_path=self.log_path, what="server", error=ServeError, started=self.started_monotonic)
 
     def stop(self) -> str:
         if self.process is None:

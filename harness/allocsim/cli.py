@@ -2,8 +2,13 @@
 
 Reads the allocator-truth format (`config` and `cases` with `ops`; `after` is ignored, or compared
 with `--check`) and prints ``{"cases": {"<name>": {"after": [[reserved, allocated,
-num_device_alloc, num_device_free], ...]}}}``: one row per op, in order. Bad input exits non-zero
-with a message naming the case, the op index and the problem.
+num_device_alloc, num_device_free], ...]}}}``: one row per op, in order. Bad input exits 2 with a
+message naming the case, the op index and the problem.
+
+`--from-snapshot SNAP` starts every case from a live allocator's state instead of an empty one
+(`torch.cuda.memory_snapshot()` saved as JSON, or a `torch.cuda.memory._dump_snapshot()` pickle,
+read without running any code in it; harness/allocsim/snapshot.py): the rows are then relative to
+the snapshot's reserved and allocated bytes.
 """
 
 from __future__ import annotations
@@ -15,17 +20,51 @@ import sys
 from pathlib import Path
 
 from harness.allocsim.ops import OpFileError, first_mismatch, load_op_file, replay_cases
+from harness.allocsim.snapshot_file import DEFAULT_MAX_BYTES
+from telemetry.errors import ConfigError
+
+GIB = 1024**3
+
+
+def add_snapshot_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--device` and `--max-file-gb`, shared by the commands that read snapshots and traces."""
+    parser.add_argument("--device", type=int, default=None,
+                        help="the CUDA device to take from a snapshot of several devices")
+    parser.add_argument("--max-file-gb", type=float, default=DEFAULT_MAX_BYTES / GIB,
+                        help="refuse snapshot files larger than this many GiB, before reading "
+                             f"(default {DEFAULT_MAX_BYTES // GIB})")
+
+
+def write_stdout(text: str) -> None:
+    """Print `text`; a reader that left early (`| head`) is not an error."""
+    try:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep the interpreter's final flush quiet
+
+
+def max_file_bytes(args: argparse.Namespace) -> int:
+    if not args.max_file_gb > 0:
+        raise ConfigError(f"--max-file-gb must be > 0, got {args.max_file_gb}")
+    return int(args.max_file_gb * GIB)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", type=Path, metavar="FILE", help="op file (JSON, the allocator-truth format); '-' reads stdin")
+    parser.add_argument("file", type=Path, metavar="FILE",
+                        help="op file (JSON, the allocator-truth format); '-' reads stdin")
     parser.add_argument("--config", default=None, help="override the file's PYTORCH_CUDA_ALLOC_CONF string")
-    parser.add_argument("--capacity-gb", type=float, default=None, help="simulated device capacity in GiB (default: unlimited)")
+    parser.add_argument("--capacity-gb", type=float, default=None,
+                        help="simulated device capacity in GiB (default: unlimited)")
     parser.add_argument(
         "--check",
         action="store_true",
         help="compare with the file's 'after' rows instead of printing: exit 1 and name the first differing op",
     )
+    parser.add_argument("--from-snapshot", type=Path, default=None, metavar="SNAP",
+                        help="start every case from this allocator snapshot (memory_snapshot() JSON or a "
+                             "_dump_snapshot() pickle); rows are relative to its counters")
+    add_snapshot_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,20 +78,27 @@ def run(args: argparse.Namespace) -> int:
             data = load_op_file(args.file)
         if args.config is not None and isinstance(data, dict):
             data = dict(data, config=args.config)
-        capacity = int(args.capacity_gb * 1024**3) if args.capacity_gb is not None else None
+        capacity = int(args.capacity_gb * GIB) if args.capacity_gb is not None else None
         if capacity is not None and capacity < 0:
             raise OpFileError(f"--capacity-gb must be >= 0, got {args.capacity_gb}")
-        results = replay_cases(data, capacity_bytes=capacity, source=str(args.file))
-    except OpFileError as exc:
+        start = None
+        if args.from_snapshot is not None:
+            from harness.allocsim.snapshot import load_allocator_state
+
+            start = load_allocator_state(args.from_snapshot, device=args.device, max_bytes=max_file_bytes(args))
+            config = data.get("config") or "" if isinstance(data, dict) else ""
+            if start.alloc_conf is not None and start.alloc_conf != config:
+                print(f"memtel allocsim: note: the snapshot's process ran with {start.alloc_conf!r}; "
+                      f"replaying under {config!r}", file=sys.stderr)
+            for note in start.notes:
+                print(f"memtel allocsim: note: {note}", file=sys.stderr)
+        results = replay_cases(data, capacity_bytes=capacity, source=str(args.file), start=start)
+    except ConfigError as exc:
         print(f"memtel allocsim: {exc}", file=sys.stderr)
         return 2
     if not args.check:
-        try:
-            json.dump({"cases": {name: {"after": rows} for name, rows in results.items()}}, sys.stdout, separators=(",", ":"))
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        except BrokenPipeError:  # `memtel allocsim f.json | head`: the reader left, nothing is wrong
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep the interpreter's final flush quiet
+        cases = {name: {"after": rows} for name, rows in results.items()}
+        write_stdout(json.dumps({"cases": cases}, separators=(",", ":")))
         return 0
     failed = 0
     for name, rows in results.items():

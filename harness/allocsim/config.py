@@ -8,7 +8,10 @@ allocator's bookkeeping (pinned host memory, lock release) are accepted and igno
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from telemetry.errors import ConfigError
 
 MIB = 1024 * 1024
 SIZE_MAX = 2**64 - 1
@@ -44,7 +47,7 @@ MODELLED_KEYS = (
 )
 
 
-class AllocatorConfigError(ValueError):
+class AllocatorConfigError(ConfigError):
     """An allocator config string PyTorch would reject (or one this simulator cannot model)."""
 
 
@@ -165,7 +168,8 @@ def parse_alloc_conf(text: str | None) -> AllocatorConfig:
         elif key == "backend":
             backend = p.value(i, key)
             if backend == "cudaMallocAsync":
-                raise p.fail("backend cudaMallocAsync is not the caching allocator; the simulator models backend:native")
+                raise p.fail("backend cudaMallocAsync is not the caching allocator; "
+                             "the simulator models backend:native")
             if backend != "native":
                 raise p.fail(f"unknown allocator backend {backend!r}, options are native and cudaMallocAsync")
         elif key in IGNORED_KEYS:
@@ -189,6 +193,35 @@ def parse_alloc_conf(text: str | None) -> AllocatorConfig:
         per_process_memory_fraction=values.get("per_process_memory_fraction"),  # type: ignore[arg-type]
         source=text,
     )
+
+
+def same_settings(a: AllocatorConfig, b: AllocatorConfig) -> bool:
+    """Whether two configs make the allocator behave the same (their source strings aside)."""
+    return dataclasses.replace(a, source="") == dataclasses.replace(b, source="")
+
+
+def format_alloc_conf(config: AllocatorConfig) -> str:
+    """A `PYTORCH_CUDA_ALLOC_CONF` string for `config` (its non-default settings); parses back to it."""
+    default = AllocatorConfig()
+    parts = []
+    if config.max_split_size != default.max_split_size:
+        parts.append(f"max_split_size_mb:{config.max_split_size // MIB}")
+    if config.max_non_split_rounding_size != default.max_non_split_rounding_size:
+        parts.append(f"max_non_split_rounding_mb:{config.max_non_split_rounding_size // MIB}")
+    if config.garbage_collection_threshold:
+        parts.append(f"garbage_collection_threshold:{config.garbage_collection_threshold!r}")
+    divisions = config.roundup_power2_divisions
+    if any(divisions):
+        if len(set(divisions)) == 1:
+            parts.append(f"roundup_power2_divisions:{divisions[0]}")
+        else:
+            slots = ",".join(f"{1 << i}:{n}" for i, n in enumerate(divisions))
+            parts.append(f"roundup_power2_divisions:[{slots}]")
+    if config.expandable_segments:
+        parts.append("expandable_segments:True")
+    if config.per_process_memory_fraction is not None:
+        parts.append(f"per_process_memory_fraction:{config.per_process_memory_fraction!r}")
+    return ",".join(parts)
 
 
 def _parse_divisions(p: _Parser, i: int, divisions: list[int]) -> int:

@@ -12,6 +12,10 @@ The cases of a file share one model of the driver's device addresses (driver_va.
 order: the capture ran them one after another in one process, and `empty_cache()` does not reset
 where the driver puts the next segment. Device addresses decide ties between equal-size free
 blocks in different segments, so a case replayed alone can differ from the truth.
+
+With `start` (an AllocatorState read from a memory snapshot) every case starts from that state
+instead: its live blocks stay live, its free blocks are reused, and the rows are relative to the
+snapshot's reserved and allocated bytes (event counts from 0).
 """
 
 from __future__ import annotations
@@ -19,17 +23,22 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from telemetry.errors import ConfigError
 
 from .config import AllocatorConfigError, parse_alloc_conf
 from .driver_va import DriverAddressSpace
 from .simulator import CachingAllocatorSim, SimulatedOutOfMemoryError
 
+if TYPE_CHECKING:
+    from .snapshot import AllocatorState
+
 OP_NAMES = ("malloc", "free", "empty_cache")
 Row = list[int]
 
 
-class OpFileError(ValueError):
+class OpFileError(ConfigError):
     """An op file that cannot be replayed; the message names the case, the op index and the problem."""
 
 
@@ -43,7 +52,8 @@ def _check_op(case: str, index: int, op: Any) -> tuple[str, int, int]:
     name = op[0]
     if name == "malloc":
         if len(op) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in op[1:]):
-            raise OpFileError(f"{_where(case, index)}: malloc needs [\"malloc\", id, size_bytes] with integers, got {op!r}")
+            raise OpFileError(f"{_where(case, index)}: malloc needs [\"malloc\", id, size_bytes] with integers, "
+                              f"got {op!r}")
         if op[2] < 0:
             raise OpFileError(f"{_where(case, index)}: malloc size must be >= 0, got {op[2]}")
         return name, op[1], op[2]
@@ -84,6 +94,7 @@ def replay_ops(
     case: str = "ops",
     addresses: list[int] | None = None,
     address_space: DriverAddressSpace | None = None,
+    start: AllocatorState | None = None,
 ) -> list[Row]:
     """Run `ops` on a fresh simulator; one `[reserved, allocated, device_alloc, device_free]` row per op.
 
@@ -91,14 +102,25 @@ def replay_ops(
     `address_space`: the driver's addresses, shared with the cases run before this one in the same
     process (default: a process that just started); the case's segments go back to it at the end,
     as the next case's `empty_cache()` does.
+    `start`: begin from a snapshot's allocator state (rows relative to its counters).
     """
     if not isinstance(ops, list):
         raise OpFileError(f"{_where(case)}: 'ops' must be a list, got {type(ops).__name__}")
     recorded = RecordedAddresses(addresses) if addresses is not None else None
     mallocs = 0
+    base_reserved = base_allocated = 0
     try:
-        driver = recorded if recorded is not None else address_space
-        sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes, address_space=driver)
+        if start is not None:
+            from .snapshot import SnapshotError, seeded_simulator
+
+            try:
+                sim = seeded_simulator(start, config, capacity_bytes=capacity_bytes)
+            except SnapshotError as exc:
+                raise OpFileError(f"{_where(case)}: {exc}") from None
+            base_reserved, base_allocated = sim.reserved_bytes, sim.allocated_bytes
+        else:
+            driver = recorded if recorded is not None else address_space
+            sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes, address_space=driver)
     except AllocatorConfigError as exc:
         raise OpFileError(f"{_where(case)}: {exc}") from None
     live: dict[int, int] = {}
@@ -123,13 +145,15 @@ def replay_ops(
             if handle is None and ident in failed:
                 failed.discard(ident)
             elif handle is None:
-                raise OpFileError(f"{_where(case, index)}: free of unknown id {ident} (never allocated or already freed)")
+                raise OpFileError(f"{_where(case, index)}: free of unknown id {ident} "
+                                  "(never allocated or already freed)")
             else:
                 sim.free(handle)
         else:
             sim.empty_cache()
-        append([sim.reserved_bytes, sim.allocated_bytes, sim.num_device_alloc, sim.num_device_free])
-    if address_space is not None and recorded is None:
+        append([sim.reserved_bytes - base_reserved, sim.allocated_bytes - base_allocated, sim.num_device_alloc,
+                sim.num_device_free])
+    if address_space is not None and recorded is None and start is None:
         for handle in list(live.values()):
             sim.free(handle)
         sim.empty_cache()
@@ -172,9 +196,16 @@ def load_op_file(path: str | Path) -> dict[str, Any]:
         raise OpFileError(f"{path}: not valid JSON: {exc}") from None
 
 
-def replay_cases(data: Any, *, capacity_bytes: int | None = None, source: str = "op file") -> dict[str, list[Row]]:
-    """Replay every case of an op document in order, as one process; {case name: rows}."""
+def replay_cases(data: Any, *, capacity_bytes: int | None = None, source: str = "op file",
+                 start: AllocatorState | None = None) -> dict[str, list[Row]]:
+    """Replay every case of an op document in order, as one process; {case name: rows}.
+
+    `start`: every case begins from this snapshot state (rows relative to its counters).
+    """
     config, cases = validate_document(data, source)
+    if start is not None:
+        return {name: replay_ops(ops, config, capacity_bytes=capacity_bytes, case=name, start=start)
+                for name, ops in cases.items()}
     driver = DriverAddressSpace()
     return {
         name: replay_ops(ops, config, capacity_bytes=capacity_bytes, case=name, address_space=driver)

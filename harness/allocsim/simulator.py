@@ -18,16 +18,22 @@ and `empty_cache` the counters match the real allocator's `reserved_bytes.all.cu
 
 Device addresses only break ties between free blocks of equal size in different segments; the
 segments' base addresses come from a model of the CUDA driver's choices (driver_va.py).
+
+`seed` starts the simulator from a live allocator's segments (a `torch.cuda.memory_snapshot()`, read
+by snapshot.py) instead of an empty one. Free lists are ordered containers (ordered.py): every
+malloc and free is O(log n) in the cached blocks, as in the real allocator's std::set; `empty_cache`
+and garbage collection visit every cached block, as the real ones do.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .config import SIZE_MAX, AllocatorConfig, parse_alloc_conf
 from .driver_va import DriverAddressSpace
+from .ordered import SortedList
 
 MIN_BLOCK = 512  # kMinBlockSize
 SMALL_SIZE = 1024 * 1024  # kSmallSize
@@ -37,7 +43,10 @@ MIN_LARGE_ALLOC = 10 * 1024 * 1024  # kMinLargeAlloc
 ROUND_LARGE = 2 * 1024 * 1024  # kRoundLarge
 DEFAULT_TOTAL_MEMORY = 150_109_880_320  # an H200's totalGlobalMem: sizes the expandable address space
 
+ADDRESS_BITS = 64  # a free list key is size << 64 | address: ordered as BlockComparatorSize, compared as one int
+ADDRESS_MASK = (1 << ADDRESS_BITS) - 1
 SegmentCallback = Callable[[int, int], None]
+SeedSegment = tuple[int, bool, bool, Sequence[tuple[int, bool]]]  # (address, small, expandable, [(size, live)])
 
 
 class SimulatedOutOfMemoryError(MemoryError):
@@ -61,13 +70,19 @@ class _Block:
 
 
 class _Pool:
-    __slots__ = ("free", "gc_calls", "small", "unmapped")
+    __slots__ = ("blocks", "free", "gc_calls", "small", "unmapped")
 
     def __init__(self, small: bool) -> None:
         self.small = small
-        self.free: list[tuple[int, int, _Block]] = []  # (size, addr, block): BlockComparatorSize
+        self.free = SortedList()  # size << ADDRESS_BITS | address of each free block: BlockComparatorSize
+        self.blocks: dict[int, _Block] = {}  # the free blocks by address
         self.unmapped: list[tuple[int, _Block]] = []  # (addr, block): BlockComparatorAddress
         self.gc_calls = 0
+
+    def ordered(self) -> list[_Block]:
+        """The free blocks in (size, address) order."""
+        blocks = self.blocks
+        return [blocks[key & ADDRESS_MASK] for key in self.free]
 
 
 class _Expandable:
@@ -119,6 +134,8 @@ class CachingAllocatorSim:
     `address_space`: the driver's cudaMalloc addresses, anything with `alloc(size) -> address` and
     `release(address, size)` (default: a fresh DriverAddressSpace, a process that just started).
     Share one across simulators that stand for one process, one after another.
+    `device_calls`: set it to a list to log every call to the device, in order, as the allocator's
+    trace names them: ("segment_alloc" | "segment_free" | "segment_map" | "segment_unmap", address, nbytes).
     """
 
     def __init__(
@@ -140,6 +157,7 @@ class CachingAllocatorSim:
         self._max_split = cfg.max_split_size
         self._max_non_split = cfg.max_non_split_rounding_size
         self._expandable = cfg.expandable_segments
+        self._expandable_blocks = self._expandable  # whether a free list can hold blocks of expandable segments
         self._set_fraction = cfg.per_process_memory_fraction is not None and cfg.per_process_memory_fraction < 1.0
         fraction = cfg.per_process_memory_fraction if self._set_fraction else 1.0
         self._allowed_max = int(fraction * self._total_memory)  # type: ignore[operator]
@@ -150,6 +168,8 @@ class CachingAllocatorSim:
         self._next_handle = 1
         self._next_segment = 1
         self._va = address_space if address_space is not None else DriverAddressSpace()
+        self._own_va = address_space is None
+        self.device_calls: list[tuple[str, int, int]] | None = None
         self._es_next_base = 0x2000_0000_0000_0000
         self.reserved_bytes = 0
         self.allocated_bytes = 0
@@ -169,6 +189,11 @@ class CachingAllocatorSim:
             "num_alloc_retries": self.num_alloc_retries,
             "num_ooms": self.num_ooms,
         }
+
+    @property
+    def address_space(self) -> Any:
+        """The model of the driver's cudaMalloc addresses this simulator uses."""
+        return self._va
 
     def live_handles(self) -> int:
         return len(self._live)
@@ -198,6 +223,146 @@ class CachingAllocatorSim:
 
     def empty_cache(self) -> None:
         self._release_cached_blocks()
+
+    def snapshot(self, device: int = 0) -> list[dict[str, Any]]:
+        """The segments in `torch.cuda.memory_snapshot()`'s format (no requested sizes or frames).
+
+        As PyTorch reports them: by address, one entry per cudaMalloc segment or per contiguous
+        mapped range of an expandable segment, blocks in address order with their state.
+        """
+        heads: dict[int, _Block] = {}
+        blocks = [b for pool in (self._small, self._large) for b in pool.blocks.values()]
+        blocks += [b for b in self._live.values() if b is not None]
+        for head in blocks:
+            while head.prev is not None and head.prev.mapped:
+                head = head.prev
+            heads[head.addr] = head
+        out = []
+        for address in sorted(heads):
+            block: _Block | None = heads[address]
+            entries: list[dict[str, Any]] = []
+            allocated = 0
+            while block is not None and block.mapped:
+                entries.append({"address": block.addr, "size": block.size,
+                                "state": "active_allocated" if block.allocated else "inactive"})
+                allocated += block.size if block.allocated else 0
+                block = block.next
+            total = sum(e["size"] for e in entries)
+            head = heads[address]
+            out.append({"device": device, "address": address, "total_size": total, "allocated_size": allocated,
+                        "active_size": allocated, "stream": 0, "segment_type": "small" if head.small else "large",
+                        "segment_pool_id": (0, 0), "is_expandable": head.es is not None, "blocks": entries})
+        return out
+
+    # ---- seeding from a live allocator --------------------------------------------------------
+
+    def seed(self, segments: Iterable[SeedSegment], opaque: Iterable[tuple[int, int, int]] = ()) -> list[int]:
+        """Start from a live allocator's state instead of an empty one; returns the live blocks' handles.
+
+        segments: the default pools' segments, `(address, small, expandable, [(size, live), ...])`,
+            blocks in address order from the segment's address; for expandable segments, each
+            contiguous mapped range (what a snapshot reports as one segment).
+        opaque: `(address, total_size, allocated_bytes)` of segments this simulator never allocates
+            from (private pools): counted in reserved and allocated bytes, holding their addresses.
+
+        Live blocks stay live (free them through the returned handles, if ever); free blocks are
+        cached and reusable; the driver-address model continues from the real addresses (unless an
+        `address_space` was given). An expandable segment is taken to begin at its lowest mapped
+        page. Counters of events (num_device_alloc, ...) start at 0. Blocks a snapshot shows as
+        waiting for another stream are free here (their streams are taken to be done).
+        """
+        if self.reserved_bytes or self._live or self.num_device_alloc:
+            raise ValueError("seed() needs a fresh simulator: this one has allocated already")
+        regular: list[tuple[int, bool, Sequence[tuple[int, bool]]]] = []
+        expandable: dict[bool, list[tuple[int, Sequence[tuple[int, bool]]]]] = {True: [], False: []}
+        for address, small, is_expandable, blocks in segments:
+            if not blocks:
+                raise ValueError(f"segment at {address:#x} has no blocks")
+            (expandable[small].append((address, blocks)) if is_expandable else regular.append((address, small, blocks)))
+        opaque = list(opaque)
+        if self._own_va:
+            ranges = [(a, sum(size for size, _ in b)) for a, _, b in regular] + [(a, n) for a, n, _ in opaque]
+            self._va = DriverAddressSpace.from_segments(ranges)
+        to_free: list[_Block] = []
+        handles: list[int] = []
+        for address, small, blocks in sorted(regular, key=lambda r: r[0]):
+            segment = self._next_segment
+            self._next_segment += 1
+            last = self._seed_chain(address, small, blocks, None, segment, None, to_free, handles)
+            self.reserved_bytes += last.addr + last.size - address
+        for small, group in expandable.items():
+            if group:
+                self._seed_expandable(small, sorted(group, key=lambda r: r[0]), to_free, handles)
+        for _address, total, allocated in opaque:
+            self.reserved_bytes += total
+            self.allocated_bytes += allocated
+        for block in to_free:
+            self._free_block(block)
+        return handles
+
+    def _seed_chain(self, address: int, small: bool, blocks: Sequence[tuple[int, bool]], es: _Expandable | None,
+                    segment: int, previous: _Block | None, to_free: list[_Block], handles: list[int]) -> _Block:
+        """Link a segment's blocks after `previous` (all allocated for now); returns the last block."""
+        cursor = address
+        block = previous
+        for size, live in blocks:
+            block = _Block(cursor, size, small, es, segment)
+            block.allocated = True
+            block.prev = previous
+            if previous is not None:
+                previous.next = block
+            previous = block
+            cursor += size
+            self.allocated_bytes += size
+            if live:
+                handle = self._next_handle
+                self._next_handle += 1
+                self._live[handle] = block
+                handles.append(handle)
+            else:
+                to_free.append(block)
+        assert block is not None
+        return block
+
+    def _seed_expandable(self, small: bool, ranges: list[tuple[int, Sequence[tuple[int, bool]]]],
+                         to_free: list[_Block], handles: list[int]) -> None:
+        pool = self._small if small else self._large
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        base = ranges[0][0]
+        self._expandable_blocks = True
+        space = self._total_memory + self._total_memory // 8
+        es = _Expandable(base, page, -(-space // page))
+        cursor = base
+        last: _Block | None = None
+
+        def unmapped(start: int, size: int) -> _Block:
+            block = _Block(start, size, small, es)
+            block.mapped = False
+            block.prev = last
+            if last is not None:
+                last.next = block
+            insort(pool.unmapped, (block.addr, block))
+            return block
+
+        for address, blocks in ranges:
+            total = sum(size for size, _ in blocks)
+            if (address - base) % page or total % page:
+                raise ValueError(f"expandable segment at {address:#x} ({total} bytes) is not made of whole "
+                                 f"{page // (1024 * 1024)} MiB pages from {base:#x}")
+            if address + total > base + es.size:
+                raise ValueError(f"expandable segments span more than the device's address reservation "
+                                 f"({es.size} bytes from {base:#x})")
+            if address > cursor:
+                last = unmapped(cursor, address - cursor)
+            last = self._seed_chain(address, small, blocks, es, 0, last, to_free, handles)
+            for index in range((address - base) // page, (address + total - base) // page):
+                es.pages[index] = self._next_segment
+                self._next_segment += 1
+            self.reserved_bytes += total
+            cursor = address + total
+        if cursor < base + es.size:
+            unmapped(cursor, base + es.size - cursor)
+        self._es_next_base = max(self._es_next_base, base + es.size + (1 << 48))
 
     # ---- malloc path ------------------------------------------------------------------------
 
@@ -246,27 +411,43 @@ class CachingAllocatorSim:
         if self._gc:
             pool.gc_calls += 1
         free = pool.free
-        i = bisect_left(free, (size,))
-        if i == len(free):
+        if not self._expandable_blocks:
+            # The common case, no expandable blocks: take the best fit, put it back if the oversize rules refuse it.
+            key = free.pop_ge(size << ADDRESS_BITS)
+            if key is None:
+                return None
+            block = pool.blocks[key & ADDRESS_MASK]
+            max_split = self._max_split
+            if (size < max_split <= block.size) or (size >= max_split and block.size >= size + self._max_non_split):
+                free.add(key)
+                return None
+            del pool.blocks[block.addr]
+            return block
+        key = free.ge(size << ADDRESS_BITS)
+        if key is None:
             return None
-        block = free[i][2]
+        at = pool.blocks
+        block = at[key & ADDRESS_MASK]
         if block.es is not None:
             # Best fit counts the unmapped space an expandable block could grow into.
             def grow(b: _Block) -> int:
                 n = b.next
                 return b.size + (n.size if n is not None and not n.mapped else 0)
 
-            j = i + 1
-            while free[i][2].es is not None and j < len(free) and grow(free[j][2]) < grow(free[i][2]):
-                i = j
-                j += 1
-            block = free[i][2]
+            following = free.after(key)
+            while block.es is not None and following is not None:
+                candidate = at[following & ADDRESS_MASK]
+                if grow(candidate) >= grow(block):
+                    break
+                key, block = following, candidate
+                following = free.after(key)
         max_split = self._max_split
         if size < max_split and block.size >= max_split:
             return None  # no oversize block for a small request
         if size >= max_split and block.size >= size + self._max_non_split:
             return None  # an oversize block only within max_non_split_rounding of the request
-        del free[i]
+        free.remove(key)
+        del at[block.addr]
         return block
 
     def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, retry: bool) -> _Block | None:
@@ -283,6 +464,8 @@ class CachingAllocatorSim:
         block = _Block(self._va.alloc(alloc_size), alloc_size, pool.small, None, segment)
         self.reserved_bytes += alloc_size
         self.num_device_alloc += 1
+        if self.device_calls is not None:
+            self.device_calls.append(("segment_alloc", block.addr, alloc_size))
         if self._on_map is not None:
             self._on_map(segment, alloc_size)
         return block
@@ -291,23 +474,24 @@ class CachingAllocatorSim:
         max_split = self._max_split
         if max_split == SIZE_MAX:
             return False
-        key = max(size, max_split)
-        free = pool.free
-        i = bisect_left(free, (key,))
-        if i == len(free) or free[i][2].es is not None:
+        wanted = max(size, max_split)
+        free, at = pool.free, pool.blocks
+        key = free.ge(wanted << ADDRESS_BITS)
+        if key is None or at[key & ADDRESS_MASK].es is not None:
             # No single block is large enough: free oversize blocks from the largest down.
-            if i == 0:
-                return False
+            key = free.lt(wanted << ADDRESS_BITS if key is None else key)
             released = 0
-            i -= 1
-            while released < key and i >= 0 and free[i][2].size >= max_split:
-                block = free[i][2]
+            while released < wanted and key is not None:
+                block = at[key & ADDRESS_MASK]
+                if block.size < max_split:
+                    break
+                below = free.lt(key)
                 if block.es is None:
                     released += block.size
                     self._release_block(pool, block)
-                i -= 1
-            return released >= key
-        self._release_block(pool, free[i][2])
+                key = below
+            return released >= wanted
+        self._release_block(pool, at[key & ADDRESS_MASK])
         return True
 
     def _garbage_collect(self) -> None:
@@ -316,7 +500,7 @@ class CachingAllocatorSim:
             return
         target = self.reserved_bytes - threshold
         pool = self._large
-        whole = [b for _, _, b in pool.free if b.prev is None and b.next is None]
+        whole = [b for b in pool.ordered() if b.prev is None and b.next is None]
         if not whole:
             return
         total_age = sum(pool.gc_calls - b.gc_base for b in whole)
@@ -326,7 +510,7 @@ class CachingAllocatorSim:
         while reclaimed < target and freed and count > 0:
             age_threshold = total_age / count
             freed = False
-            for _, _, block in list(pool.free):
+            for block in pool.ordered():
                 if block.prev is None and block.next is None and pool.gc_calls - block.gc_base >= age_threshold:
                     freed = True
                     reclaimed += block.size
@@ -337,7 +521,7 @@ class CachingAllocatorSim:
     def _release_cached_blocks(self) -> None:
         for pool in (self._large, self._small):
             to_unmap = []
-            for _, _, block in list(pool.free):
+            for block in pool.ordered():
                 if block.es is not None:
                     to_unmap.append(block)
                 elif block.prev is None and block.next is None:
@@ -349,10 +533,13 @@ class CachingAllocatorSim:
                     block.es = None  # the reservation goes back; nothing was mapped
 
     def _release_block(self, pool: _Pool, block: _Block) -> None:
-        del pool.free[bisect_left(pool.free, (block.size, block.addr))]
+        pool.free.remove(block.size << ADDRESS_BITS | block.addr)
+        del pool.blocks[block.addr]
         self._va.release(block.addr, block.size)
         self.reserved_bytes -= block.size
         self.num_device_free += 1
+        if self.device_calls is not None:
+            self.device_calls.append(("segment_free", block.addr, block.size))
         if self._on_unmap is not None:
             self._on_unmap(block.seg, block.size)
 
@@ -368,7 +555,8 @@ class CachingAllocatorSim:
 
     def _insert_free(self, pool: _Pool, block: _Block) -> None:
         block.gc_base = pool.gc_calls
-        insort(pool.free, (block.size, block.addr, block))
+        pool.free.add(block.size << ADDRESS_BITS | block.addr)
+        pool.blocks[block.addr] = block
 
     def _try_merge(self, pool: _Pool, dst: _Block, src: _Block | None) -> None:
         if src is None or src.allocated or src.mapped != dst.mapped:
@@ -383,7 +571,8 @@ class CachingAllocatorSim:
             if dst.next is not None:
                 dst.next.prev = dst
         if src.mapped:
-            del pool.free[bisect_left(pool.free, (src.size, src.addr))]
+            pool.free.remove(src.size << ADDRESS_BITS | src.addr)
+            del pool.blocks[src.addr]
         else:
             del pool.unmapped[bisect_left(pool.unmapped, (src.addr,))]
         dst.size += src.size
@@ -400,7 +589,8 @@ class CachingAllocatorSim:
             if not self._map_block(pool, following, min(size - candidate.size, following.size)):
                 return None
             candidate = following  # it absorbed the free block before it
-        del pool.free[bisect_left(pool.free, (candidate.size, candidate.addr))]
+        pool.free.remove(candidate.size << ADDRESS_BITS | candidate.addr)
+        del pool.blocks[candidate.addr]
         return candidate
 
     def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
@@ -452,6 +642,8 @@ class CachingAllocatorSim:
         self._insert_free(pool, block)
         self.reserved_bytes += nbytes
         self.num_device_alloc += 1
+        if self.device_calls is not None:
+            self.device_calls.append(("segment_map", es.base + begin * page, nbytes))
         for index in range(begin, end):
             segment = self._next_segment
             self._next_segment += 1
@@ -468,7 +660,8 @@ class CachingAllocatorSim:
         end = (block.addr + block.size - es.base) // page
         if begin >= end:
             return
-        del pool.free[bisect_left(pool.free, (block.size, block.addr))]
+        pool.free.remove(block.size << ADDRESS_BITS | block.addr)
+        del pool.blocks[block.addr]
         start = es.base + begin * page
         nbytes = (end - begin) * page
         before = start - block.addr
@@ -497,6 +690,8 @@ class CachingAllocatorSim:
         insort(pool.unmapped, (block.addr, block))
         self.reserved_bytes -= nbytes
         self.num_device_free += 1
+        if self.device_calls is not None:
+            self.device_calls.append(("segment_unmap", start, nbytes))
         for index in range(begin, end):
             segment = es.pages.pop(index)
             if self._on_unmap is not None:

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from telemetry.allocator_counters import AllocatorCounters, read_cuda_counters
+
 MIB = 1024 * 1024
 CONFIGS = (
     "",
@@ -116,30 +118,21 @@ def small_segments_case() -> list[list[Any]]:
     return ops
 
 
-def indexer_case(mode: str, **overrides: Any) -> list[list[Any]]:
-    """The replay's op sequence for one arm (the same generator `memtel replay` uses)."""
-    from harness.indexer.replay import ArmSpec, ReplayParams, run_arm
+def indexer_case(mode: str, *, tokens: int, chunk: int, layers: int, topk: int = 0, transient_mb: float = 0.0,
+                 keep_previous: bool = True, max_model_len: int = 204_800) -> list[list[Any]]:
+    """The launch loop's op sequence for one arm (`memtel replay`'s `arm_ops`: the one loop, run_prefill)."""
+    from harness.indexer.planner import check_mode
+    from harness.indexer.prefill import LaunchPattern
+    from harness.indexer.replay import ArmSpec, ReplayParams, arm_ops
+    from harness.indexer.shape import IndexerShape
 
-    class _Recorder:  # ops only; counters come from the real allocator when replayed
-        def launch(self, rows, width, kv_len):
-            return None
-
-        def alloc(self, nbytes):
-            return None
-
-        def release(self, token):
-            pass
-
-        def counters(self):
-            return [0, 0, 0, 0]
-
-    params = ReplayParams(**overrides)
-    trace, _ = run_arm(params, ArmSpec(mode), _Recorder())
-    return trace.ops
+    shape = IndexerShape(layers=layers, chunk=chunk, max_model_len=max_model_len, topk=topk)
+    pattern = LaunchPattern(keep_previous=keep_previous, transient_bytes=int(transient_mb * MIB))
+    return [list(op) for op in arm_ops(ReplayParams(shape, tokens, pattern), ArmSpec(check_mode(mode)))]
 
 
 def build_cases() -> dict[str, list[list[Any]]]:
-    small = {"tokens": 49_152, "chunk": 8192, "layers": 8}
+    small: dict[str, Any] = {"tokens": 49_152, "chunk": 8192, "layers": 8}
     return {
         "random_mixed_a": random_case(11, 800, _random_size),
         "random_mixed_b": random_case(12, 800, _random_size, max_live=25, empty_every=0.02),
@@ -148,7 +141,8 @@ def build_cases() -> dict[str, list[list[Any]]]:
         "indexer_stock": indexer_case("stock", **small),
         "indexer_fixed": indexer_case("fixed", **small),
         "indexer_stock_topk_transient": indexer_case("stock", topk=2048, transient_mb=3.0, **small),
-        "indexer_fixed_no_keep": indexer_case("fixed", keep_previous=False, chunk=4608, tokens=27_648, layers=6, max_model_len=409_600),
+        "indexer_fixed_no_keep": indexer_case("fixed", keep_previous=False, chunk=4608, tokens=27_648, layers=6,
+                                              max_model_len=409_600),
         "small_segments": small_segments_case(),
     }
 
@@ -156,20 +150,18 @@ def build_cases() -> dict[str, list[list[Any]]]:
 # ---- the worker: one config, one process ---------------------------------------------------
 
 
-def _counters(torch: Any) -> list[int]:
-    s = torch.cuda.memory_stats()
-    return [
-        s.get("reserved_bytes.all.current", 0),
-        s.get("allocated_bytes.all.current", 0),
-        s.get("num_device_alloc", 0),
-        s.get("num_device_free", 0),
-    ]
+def _counters() -> AllocatorCounters:
+    counters = read_cuda_counters()
+    if counters is None:
+        raise RuntimeError("cannot read the CUDA caching allocator's counters (CUDA not initialised?)")
+    return counters
 
 
-def run_case(torch: Any, ops: list[list[Any]], addresses: list[int] | None = None) -> tuple[list[list[Any]], list[list[int]]]:
+def run_case(torch: Any, ops: list[list[Any]],
+             addresses: list[int] | None = None) -> tuple[list[list[Any]], list[list[int]]]:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    base = _counters(torch)
+    base = _counters()
     live: dict[int, Any] = {}
     after: list[list[int]] = []
     for op in ops:
@@ -185,8 +177,7 @@ def run_case(torch: Any, ops: list[list[Any]], addresses: list[int] | None = Non
             live.pop(op[1], None)
         else:
             torch.cuda.empty_cache()
-        now = _counters(torch)
-        after.append([now[i] - base[i] for i in range(4)])
+        after.append(_counters().minus(base).row())
     live.clear()
     return ops, after
 
@@ -221,7 +212,8 @@ def worker(config: str, out: Path, with_addresses: bool = False) -> int:
     doc = {
         "config": config,
         "torch": torch.__version__,
-        "device": f"{props.name} (discrete, {props.total_memory / 1e9:.0f} GB; total_memory {props.total_memory} bytes)",
+        "device": f"{props.name} (discrete, {props.total_memory / 1e9:.0f} GB; "
+                  f"total_memory {props.total_memory} bytes)",
         "cases": cases,
     }
     out.write_text(json.dumps(doc, separators=(",", ":")))
@@ -237,8 +229,10 @@ def config_slug(config: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for the truth files")
-    parser.add_argument("--config", action="append", default=None, help="allocator configs (default: the built-in list)")
-    parser.add_argument("--addresses", action="store_true", help="also write each malloc's device address beside each file")
+    parser.add_argument("--config", action="append", default=None,
+                        help="allocator configs (default: the built-in list)")
+    parser.add_argument("--addresses", action="store_true",
+                        help="also write each malloc's device address beside each file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -252,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / f"h200-torch-{config_slug(config)}.json"
         started = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "harness.allocsim.truth_capture", "--out", str(args.out), "--worker", "--file", str(path)]
+            [sys.executable, "-m", "harness.allocsim.truth_capture", "--out", str(args.out), "--worker",
+             "--file", str(path)]
             + (["--addresses"] if args.addresses else []),
             env=env,
             capture_output=True,

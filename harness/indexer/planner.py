@@ -1,73 +1,37 @@
-"""The arithmetic of vLLM's sparse-indexer prefill planner, stock and fixed-width.
+"""The arithmetic of vLLM's sparse-indexer prefill planner, in its two width modes.
 
-Pure functions over integers: no torch, no I/O. A request's prefill runs in chunks of `chunk`
+Pure functions over integers: no torch, no I/O. A request's prefill runs in chunks of `shape.chunk`
 tokens; at each chunk step the indexer computes float32 logits `[M, W]` for the chunk's `M` query
 rows against the compressed kv so far (`N = tokens_so_far // compress_ratio`). One launch may hold
-at most `max_logits_bytes` of logits:
+at most `shape.logits_budget_bytes` of logits:
 
 - packed requests join a launch while ``sum(M) * max(sum(N), width) * 4 <= budget`` (stock width
   is ``sum(N)``, so the rule reads ``sum(M) * sum(N) * 4``), and while their kv fits the workspace;
 - a request that alone exceeds the budget is split on rows: ``max_rows = max(1, budget_elems // W)``.
 
-Stock width is the chunk's own kv length, so every chunk asks for a larger block and the caching
-allocator adds a segment per chunk step. The fix pads every launch to one fixed width,
-``max(N, ceil(max_model_len / compress_ratio))``, so every launch has the same shape from the
+The width mode says how wide a launch is. `stock`: the chunk's own kv length, so every chunk asks for
+a larger block and the caching allocator adds a segment per chunk step. `fixed` (the fix): one padded
+width for every launch, ``max(N, shape.padded_width)``, so every launch has the same shape from the
 first chunk on and the allocator reuses its blocks.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-FLOAT32_BYTES = 4
-MIB = 1024 * 1024
-DEFAULT_MAX_LOGITS_BYTES = 512 * MIB  # VLLM_SPARSE_INDEXER_MAX_LOGITS_MB default
-MODES = ("stock", "fixed")
+from harness.indexer.shape import FLOAT32_BYTES, IndexerShape, ShapeError
+
+Mode = Literal["stock", "fixed"]
+MODES: tuple[Mode, ...] = ("stock", "fixed")
 
 
-@dataclass(frozen=True)
-class PlannerConfig:
-    """Settings of the indexer's planner.
-
-    `mode` is "stock" (width = kv length of the launch) or "fixed" (one width for every launch).
-    `fixed_width` overrides ``ceil(max_model_len / compress_ratio)`` in fixed mode.
-    `kv_workspace_tokens` bounds ``sum(N)`` of one packed launch (None: unbounded).
-    """
-
-    mode: str = "stock"
-    chunk: int = 8192
-    compress_ratio: int = 4
-    max_model_len: int = 409_600
-    max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES
-    fixed_width: int | None = None
-    kv_workspace_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"planner mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        for name in ("chunk", "compress_ratio", "max_model_len", "max_logits_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"planner {name} must be a positive integer, got {value!r}")
-        if self.max_logits_bytes < FLOAT32_BYTES:
-            raise ValueError(f"planner max_logits_bytes must be at least {FLOAT32_BYTES}, got {self.max_logits_bytes}")
-        if self.fixed_width is not None and (not isinstance(self.fixed_width, int) or self.fixed_width < 1):
-            raise ValueError(f"planner fixed_width must be a positive integer or None, got {self.fixed_width!r}")
-        if self.kv_workspace_tokens is not None and self.kv_workspace_tokens < 1:
-            raise ValueError(f"planner kv_workspace_tokens must be positive or None, got {self.kv_workspace_tokens!r}")
-
-    @property
-    def budget_elems(self) -> int:
-        return self.max_logits_bytes // FLOAT32_BYTES
-
-    @property
-    def padded_width(self) -> int:
-        """The fixed arm's width floor: ``ceil(max_model_len / compress_ratio)`` unless overridden."""
-        if self.fixed_width is not None:
-            return self.fixed_width
-        return math.ceil(self.max_model_len / self.compress_ratio)
+def check_mode(mode: str) -> Mode:
+    """`mode` if it is a width mode; ShapeError naming the valid ones otherwise."""
+    if mode not in MODES:
+        raise ShapeError(f"width mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
 
 
 @dataclass(frozen=True)
@@ -84,8 +48,9 @@ class Launch:
         return self.rows * self.width * FLOAT32_BYTES
 
     @property
-    def computed_bytes(self) -> int:
-        return self.rows * self.kv_len * FLOAT32_BYTES
+    def computed_elements(self) -> int:
+        """Logits elements the kernel computes (the padding is allocated, not computed)."""
+        return self.rows * self.kv_len
 
 
 @dataclass(frozen=True)
@@ -103,21 +68,21 @@ def kv_length(tokens_so_far: int, compress_ratio: int) -> int:
     return tokens_so_far // compress_ratio
 
 
-def launch_width(kv_len: int, config: PlannerConfig) -> int:
+def launch_width(kv_len: int, shape: IndexerShape, mode: Mode) -> int:
     """Width of a launch whose computed part is `kv_len` columns."""
-    if config.mode == "stock":
+    if check_mode(mode) == "stock":
         return kv_len
-    return max(kv_len, config.padded_width)
+    return max(kv_len, shape.padded_width)
 
 
 def chunk_steps(tokens: int, chunk: int, compress_ratio: int, *, start_token: int = 0) -> list[ChunkStep]:
     """The chunk steps of one prefill of `tokens` new tokens after `start_token` cached ones."""
     if tokens < 0 or chunk < 1 or compress_ratio < 1 or start_token < 0:
-        raise ValueError(
+        raise ShapeError(
             f"chunk_steps needs tokens >= 0, chunk >= 1, compress_ratio >= 1, start_token >= 0; "
             f"got tokens={tokens}, chunk={chunk}, compress_ratio={compress_ratio}, start_token={start_token}"
         )
-    steps = []
+    steps: list[ChunkStep] = []
     done = 0
     while done < tokens:
         rows = min(chunk, tokens - done)
@@ -127,46 +92,46 @@ def chunk_steps(tokens: int, chunk: int, compress_ratio: int, *, start_token: in
     return steps
 
 
-def split_rows(rows: int, kv_len: int, config: PlannerConfig, request: int = 0) -> list[Launch]:
+def split_rows(rows: int, kv_len: int, shape: IndexerShape, mode: Mode, request: int = 0) -> list[Launch]:
     """Launches for one request alone: whole if it fits the budget, else sub-chunked on rows."""
-    width = launch_width(kv_len, config)
-    if rows * width * FLOAT32_BYTES <= config.max_logits_bytes:
+    width = launch_width(kv_len, shape, mode)
+    if rows * width * FLOAT32_BYTES <= shape.logits_budget_bytes:
         return [Launch(rows, width, kv_len, (request,))]
-    max_rows = max(1, config.budget_elems // max(width, 1))
-    launches = []
-    for first in range(0, rows, max_rows):
-        launches.append(Launch(min(max_rows, rows - first), width, kv_len, (request,)))
-    return launches
+    max_rows = max(1, shape.budget_elems // max(width, 1))
+    return [Launch(min(max_rows, rows - first), width, kv_len, (request,)) for first in range(0, rows, max_rows)]
 
 
-def plan_launches(requests: Sequence[tuple[int, int]], config: PlannerConfig) -> list[Launch]:
+def plan_launches(requests: Sequence[tuple[int, int]], shape: IndexerShape, mode: Mode, *,
+                  kv_workspace_tokens: int | None = None) -> list[Launch]:
     """Pack requests ``(rows M, kv length N)`` into launches, in order, as the indexer does.
 
     A request joins the open launch while ``sum(M) * max(sum(N), width floor) * 4 <= budget``
-    (stock: ``sum(M) * sum(N) * 4``) and the kv workspace holds ``sum(N)``; a request that does
-    not fit even alone is sub-chunked on rows.
+    (stock: ``sum(M) * sum(N) * 4``) and the kv workspace (`kv_workspace_tokens`, None: unbounded)
+    holds ``sum(N)``; a request that does not fit even alone is sub-chunked on rows.
     """
+    if kv_workspace_tokens is not None and kv_workspace_tokens < 1:
+        raise ShapeError(f"kv_workspace_tokens must be positive or None, got {kv_workspace_tokens!r}")
+    budget = shape.logits_budget_bytes
     launches: list[Launch] = []
     group: list[int] = []
     sum_rows = sum_kv = 0
 
     def close() -> None:
         if group:
-            launches.append(Launch(sum_rows, launch_width(sum_kv, config), sum_kv, tuple(group)))
+            launches.append(Launch(sum_rows, launch_width(sum_kv, shape, mode), sum_kv, tuple(group)))
 
     for index, (rows, kv_len) in enumerate(requests):
         if rows < 1 or kv_len < 0:
-            raise ValueError(f"request {index}: rows must be >= 1 and kv length >= 0, got ({rows}, {kv_len})")
-        alone_fits = rows * launch_width(kv_len, config) * FLOAT32_BYTES <= config.max_logits_bytes
-        if not alone_fits:
+            raise ShapeError(f"request {index}: rows must be >= 1 and kv length >= 0, got ({rows}, {kv_len})")
+        if rows * launch_width(kv_len, shape, mode) * FLOAT32_BYTES > budget:
             close()
             group, sum_rows, sum_kv = [], 0, 0
-            launches.extend(split_rows(rows, kv_len, config, index))
+            launches.extend(split_rows(rows, kv_len, shape, mode, index))
             continue
         new_rows, new_kv = sum_rows + rows, sum_kv + kv_len
-        fits = new_rows * launch_width(new_kv, config) * FLOAT32_BYTES <= config.max_logits_bytes
-        if config.kv_workspace_tokens is not None:
-            fits = fits and new_kv <= config.kv_workspace_tokens
+        fits = new_rows * launch_width(new_kv, shape, mode) * FLOAT32_BYTES <= budget
+        if kv_workspace_tokens is not None:
+            fits = fits and new_kv <= kv_workspace_tokens
         if group and not fits:
             close()
             group, sum_rows, sum_kv = [], 0, 0
@@ -177,17 +142,13 @@ def plan_launches(requests: Sequence[tuple[int, int]], config: PlannerConfig) ->
     return launches
 
 
-def plan_prefill(tokens: int, config: PlannerConfig, *, start_token: int = 0) -> list[tuple[ChunkStep, list[Launch]]]:
+PrefillPlan = list[tuple[ChunkStep, list[Launch]]]
+
+
+def plan_prefill(tokens: int, shape: IndexerShape, mode: Mode, *, start_token: int = 0) -> PrefillPlan:
     """One request's prefill: each chunk step with its logits launches (the same for every layer)."""
+    check_mode(mode)
     return [
-        (step, split_rows(step.rows, step.kv_len, config))
-        for step in chunk_steps(tokens, config.chunk, config.compress_ratio, start_token=start_token)
+        (step, split_rows(step.rows, step.kv_len, shape, mode))
+        for step in chunk_steps(tokens, shape.chunk, shape.compress_ratio, start_token=start_token)
     ]
-
-
-def iter_launches(tokens: int, config: PlannerConfig, layers: int) -> Iterator[tuple[ChunkStep, int, Launch]]:
-    """Every launch of a prefill in execution order: chunk step, then layer, then launch."""
-    for step, launches in plan_prefill(tokens, config):
-        for layer in range(layers):
-            for launch in launches:
-                yield step, layer, launch

@@ -16,45 +16,21 @@ import argparse
 import logging
 import os
 import signal
-import sys
 import threading
 
-from harness.labserver.engine import ALLOCATORS, ARMS, LabConfig
+from harness.argtypes import fraction, non_negative, port, positive_int
+from harness.indexer.backends import ALLOCATORS, default_allocator
+from harness.indexer.planner import MODES
+from harness.indexer.shape import add_shape_arguments, shape_from_args
+from harness.labserver.engine import LabConfig
+from harness.ports import LAB_SERVER_PORT
+from telemetry.errors import ConfigError, RunError
+from telemetry.hook.config import DEFAULT_PORT as HOOK_DEFAULT_PORT
 
 log = logging.getLogger("memtel.lab")
 
-DEFAULT_PORT = 8000
 DEFAULT_SIM_SCALE = 0.25  # keeps the demo's host-backed memory near 2.5 GiB on a 24 GiB box
 DEFAULT_SIM_TIME_SCALE = 0.05
-
-
-def _checked(convert, accept, expected: str):
-    """An argparse type: `convert` the text, then require `accept(value)`; errors say what is expected."""
-
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if not accept(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
-_fraction = _checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
-_non_negative = _checked(float, lambda v: v >= 0, "a number >= 0")
-
-
-def default_allocator() -> str:
-    """cuda when torch sees a GPU, else sim (torch is imported only to ask)."""
-    try:
-        import torch
-    except ImportError:
-        return "sim"
-    return "cuda" if torch.cuda.is_available() else "sim"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -66,29 +42,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     defaults = LabConfig()
-    serve.add_argument("--arm", required=True, choices=ARMS,
-                       help="stock: logits as wide as the kv so far; fixed: one fixed width from the first chunk")
-    serve.add_argument("--ranks", type=_positive_int, default=defaults.ranks,
+    # The flag is --arm for compatibility; what it takes is a width mode.
+    serve.add_argument("--arm", dest="mode", required=True, choices=MODES,
+                       help="the width mode: stock: logits as wide as the kv so far; fixed: one padded width "
+                            "from the first chunk")
+    serve.add_argument("--ranks", type=positive_int, default=defaults.ranks,
                        help=f"rank processes, one GPU each when there are GPUs (default {defaults.ranks})")
     serve.add_argument("--allocator", choices=ALLOCATORS, default=None,
                        help="cuda: real CUDA allocations; sim: the caching-allocator simulator with host-backed "
                             "segments (default: cuda when a GPU is available, else sim)")
-    serve.add_argument("--layers", type=_positive_int, default=defaults.layers,
-                       help=f"indexer layers per chunk step (default {defaults.layers})")
-    serve.add_argument("--chunk", type=_positive_int, default=defaults.chunk,
-                       help=f"prefill chunk in tokens (max-num-batched-tokens; default {defaults.chunk})")
-    serve.add_argument("--max-model-len", type=_positive_int, default=defaults.max_model_len,
-                       help=f"context limit in tokens; the fixed width is max-model-len / compress-ratio "
-                            f"(default {defaults.max_model_len})")
-    serve.add_argument("--compress-ratio", type=_positive_int, default=defaults.compress_ratio,
-                       help=f"tokens per compressed kv entry (kpool; default {defaults.compress_ratio})")
-    serve.add_argument("--budget-mb", type=float, default=defaults.budget_mb,
-                       help=f"logits budget per launch in MiB (VLLM_SPARSE_INDEXER_MAX_LOGITS_MB; default "
-                            f"{defaults.budget_mb:g})")
-    serve.add_argument("--scale", type=_fraction, default=None,
+    add_shape_arguments(serve)
+    serve.add_argument("--scale", type=fraction, default=None,
                        help=f"multiply the rows (so the bytes) of every logits launch by S, so the unified-memory "
                             f"emulation fits this machine (default {DEFAULT_SIM_SCALE} with sim, 1 with cuda)")
-    serve.add_argument("--time-scale", type=_non_negative, default=DEFAULT_SIM_TIME_SCALE,
+    serve.add_argument("--time-scale", type=non_negative, default=DEFAULT_SIM_TIME_SCALE,
                        help=f"multiply the cost model's times by X (default {DEFAULT_SIM_TIME_SCALE}): the prefill "
                             f"on sim (calibrated to a 54 s cold 100k-token prefill; cuda prefills take real time) and "
                             f"each output token (50 ms) on both")
@@ -97,13 +64,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-unified-memory", action="store_true",
                        help="sim: do not back simulated segments with host memory")
     serve.add_argument("--no-hook", action="store_true", help="do not install memtel's hook in the ranks")
-    serve.add_argument("--memtel-port", type=int, default=None,
-                       help="hook exporter base port, rank r listens on it + r (default: $MEMTEL_PORT or 9200)")
+    serve.add_argument("--memtel-port", type=port, default=None,
+                       help=f"hook exporter base port, rank r listens on it + r (default: $MEMTEL_PORT or "
+                            f"{HOOK_DEFAULT_PORT})")
     serve.add_argument("--memtel-log-dir", default=None,
                        help="directory for the hook's per-call JSONL logs (default: $MEMTEL_LOG_DIR, else none)")
-    serve.add_argument("--model-name", default=None, help="model name served (default lab-<arm>)")
+    serve.add_argument("--model-name", default=None, help="model name served (default lab-<mode>)")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1, loopback)")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"listen port (default {DEFAULT_PORT})")
+    serve.add_argument("--port", type=port, default=LAB_SERVER_PORT, help=f"listen port (default {LAB_SERVER_PORT})")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -112,12 +80,11 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
     scale = args.scale if args.scale is not None else (DEFAULT_SIM_SCALE if allocator == "sim" else 1.0)
     memtel_port = args.memtel_port
     if memtel_port is None:
-        env_port = os.environ.get("MEMTEL_PORT")
-        memtel_port = int(env_port) if env_port and env_port.isdigit() else 9200
+        env_port = os.environ.get("MEMTEL_PORT", "").strip()
+        memtel_port = int(env_port) if env_port.isascii() and env_port.isdigit() else HOOK_DEFAULT_PORT
     return LabConfig(
-        arm=args.arm, ranks=args.ranks, allocator=allocator, layers=args.layers, chunk=args.chunk,
-        max_model_len=args.max_model_len, compress_ratio=args.compress_ratio, budget_mb=args.budget_mb,
-        scale=scale, time_scale=args.time_scale,
+        mode=args.mode, ranks=args.ranks, allocator=allocator, shape=shape_from_args(args), scale=scale,
+        time_scale=args.time_scale,
         alloc_conf=args.alloc_conf if args.alloc_conf is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         unified_memory=not args.no_unified_memory, memtel_port=memtel_port,
         memtel_log_dir=args.memtel_log_dir or os.environ.get("MEMTEL_LOG_DIR") or None, hook=not args.no_hook,
@@ -127,15 +94,10 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "lab_command", None) != "serve":
-        print("usage: memtel lab serve --arm stock|fixed [options]  (see `memtel lab serve --help`)", file=sys.stderr)
-        return 2
+        raise ConfigError("usage: memtel lab serve --arm stock|fixed [options]  (see `memtel lab serve --help`)")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        print(f"memtel lab serve: {exc}", file=sys.stderr)
-        return 2
-    return serve(config, host=args.host, port=args.port, model_name=args.model_name or f"lab-{config.arm}")
+    config = config_from_args(args)
+    return serve(config, host=args.host, port=args.port, model_name=args.model_name or f"lab-{config.mode}")
 
 
 def serve(config: LabConfig, host: str, port: int, model_name: str) -> int:
@@ -143,12 +105,11 @@ def serve(config: LabConfig, host: str, port: int, model_name: str) -> int:
     from harness.labserver.server import LabService, make_server
 
     engine = LabEngine(config)
-    service = LabService(engine, model_name, config.max_model_len)
+    service = LabService(engine, model_name, config.shape.max_model_len)
     try:
         httpd = make_server(service, host, port)  # bind first: a port in use fails before any rank starts
     except OSError as exc:
-        print(f"memtel lab serve: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        raise RunError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -166,10 +127,9 @@ def serve(config: LabConfig, host: str, port: int, model_name: str) -> int:
         try:
             engine.start()
         except EngineError as exc:
-            print(f"memtel lab serve: the ranks did not start: {exc}", file=sys.stderr)
-            return 1
-        log.info("memtel lab serving %s on http://%s:%d (arm %s, %d rank(s), allocator %s, scale %g)",
-                 model_name, host, port, config.arm, config.ranks, config.allocator, config.scale)
+            raise RunError(f"the ranks did not start: {exc}") from None
+        log.info("memtel lab serving %s on http://%s:%d (mode %s, %d rank(s), allocator %s, scale %g)",
+                 model_name, host, port, config.mode, config.ranks, config.allocator, config.scale)
         while not stopping.wait(0.5):
             if not engine.healthy():
                 log.error("stopping: %s", engine.problem())

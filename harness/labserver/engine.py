@@ -19,38 +19,36 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.indexer.backends import ALLOCATORS
+from harness.indexer.planner import MODES, Mode
+from harness.indexer.shape import REFERENCE_SHAPE, IndexerShape
+from harness.labserver.cost_model import CostModel
 from harness.labserver.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
-from harness.labserver.worker import RankConfig, rank_main
+from harness.labserver.worker import RankConfig, RankPrefill, rank_main
+from telemetry.errors import ConfigError, RunError
 
 log = logging.getLogger("memtel.lab.engine")
 
-ARMS = ("stock", "fixed")
-ALLOCATORS = ("sim", "cuda")
 
-
-class EngineError(RuntimeError):
-    pass
+class EngineError(RunError):
+    """A rank failed, died or did not answer."""
 
 
 @dataclass(frozen=True)
 class LabConfig:
     """Everything that shapes the lab server's work; defaults are the user's A/B profile."""
 
-    arm: str = "stock"
+    mode: Mode = "stock"
     ranks: int = 2
     allocator: str = "sim"
-    layers: int = 45
-    chunk: int = 8192
-    max_model_len: int = 204_800
-    compress_ratio: int = 4
-    budget_mb: float = 512.0
+    shape: IndexerShape = REFERENCE_SHAPE
     scale: float = 1.0  # multiplies the rows (so the bytes) of every logits launch
     time_scale: float = 1.0  # multiplies the simulator's modeled time
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF for the simulator (cuda: the environment's)
     unified_memory: bool = True  # sim: back segments with host pages
     block_size: int = DEFAULT_BLOCK_SIZE
     prefix_cache_tokens: int = 1_048_576
-    memtel_port: int | None = 9200  # hook exporter base port (MEMTEL_PORT); None: no exporter
+    memtel_port: int | None = None  # hook exporter base port (MEMTEL_PORT); None: no exporter
     memtel_log_dir: str | None = None  # hook JSONL logs (MEMTEL_LOG_DIR)
     memtel_addr: str = "127.0.0.1"  # where the hook exporters listen (the server's --host)
     hook: bool = True
@@ -58,16 +56,14 @@ class LabConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.arm not in ARMS:
-            problems.append(f"arm must be one of {', '.join(ARMS)}, got {self.arm!r}")
+        if self.mode not in MODES:
+            problems.append(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.allocator not in ALLOCATORS:
             problems.append(f"allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
-        for name in ("ranks", "layers", "chunk", "max_model_len", "compress_ratio", "block_size"):
+        for name in ("ranks", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
-        if not (self.budget_mb > 0):
-            problems.append(f"budget_mb must be > 0, got {self.budget_mb!r}")
         if not (0 < self.scale <= 1):
             problems.append(f"scale must be in (0, 1], got {self.scale!r}")
         if not (self.time_scale >= 0):
@@ -75,19 +71,14 @@ class LabConfig:
         if self.prefix_cache_tokens < 0:
             problems.append(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens!r}")
         if problems:
-            raise ValueError("; ".join(problems))
-
-    @property
-    def budget_bytes(self) -> int:
-        return int(self.budget_mb * 1024 * 1024)
+            raise ConfigError("; ".join(problems))
 
     def rank_config(self, rank: int) -> RankConfig:
         return RankConfig(
-            rank=rank, world_size=self.ranks, arm=self.arm, allocator=self.allocator, layers=self.layers,
-            chunk=self.chunk, max_model_len=self.max_model_len, compress_ratio=self.compress_ratio,
-            budget_bytes=self.budget_bytes, scale=self.scale, time_scale=self.time_scale,
-            alloc_conf=self.alloc_conf, unified_memory=self.unified_memory, memtel_port=self.memtel_port,
-            memtel_log_dir=self.memtel_log_dir, hook=self.hook, memtel_addr=self.memtel_addr,
+            rank=rank, world_size=self.ranks, mode=self.mode, allocator=self.allocator, shape=self.shape,
+            scale=self.scale, time_scale=self.time_scale, alloc_conf=self.alloc_conf,
+            unified_memory=self.unified_memory, memtel_port=self.memtel_port, memtel_log_dir=self.memtel_log_dir,
+            hook=self.hook, memtel_addr=self.memtel_addr,
         )
 
 
@@ -96,19 +87,11 @@ class PrefillOutcome:
     prompt_tokens: int
     cached_tokens: int
     seconds: float
-    ranks: list[dict] = field(default_factory=list)
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
+    ranks: list[RankPrefill] = field(default_factory=list)
 
     @property
     def launches(self) -> int:
-        return sum(r.get("launches", 0) for r in self.ranks)
-
-    def summary(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "computed_tokens": self.computed_tokens, "prefill_s": self.seconds, "ranks": self.ranks}
+        return sum(r.launches for r in self.ranks)
 
 
 class _Rank:
@@ -126,8 +109,6 @@ class LabEngine:
         self._ranks: list[_Rank] = []
         self._problem: str | None = "not started"
         self._lock = threading.Lock()
-        from harness.labserver.cost_model import CostModel
-
         self.cost = CostModel(time_scale=config.time_scale)
 
     # --- lifecycle ---
@@ -135,13 +116,13 @@ class LabEngine:
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
         try:
-            for rank in range(self.config.ranks):
+            for index in range(self.config.ranks):
                 parent, child = context.Pipe()
-                process = context.Process(target=rank_main, args=(self.config.rank_config(rank), child),
-                                          name=f"memtel-lab-rank{rank}", daemon=True)
+                process = context.Process(target=rank_main, args=(self.config.rank_config(index), child),
+                                          name=f"memtel-lab-rank{index}", daemon=True)
                 process.start()
                 child.close()
-                self._ranks.append(_Rank(rank, process, parent))
+                self._ranks.append(_Rank(index, process, parent))
             deadline = time.monotonic() + self.config.startup_timeout_s
             for rank in self._ranks:
                 rank.info = self._receive(rank, deadline, "start")
@@ -182,7 +163,7 @@ class LabEngine:
     def problem(self) -> str:
         return self._problem or ""
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         data = dataclasses.asdict(self.config)
         data["ranks_info"] = [r.info for r in self._ranks]
         return data
@@ -199,7 +180,8 @@ class LabEngine:
             for rank in self._ranks:
                 self._send(rank, ("prefill", job))
             deadline = None  # a 400k-token prefill on a real GPU may take long; a dead rank is noticed
-            results, errors = [], []
+            results: list[RankPrefill] = []
+            errors: list[str] = []
             for rank in self._ranks:  # collect every rank's answer, so no pipe is left out of step
                 try:
                     results.append(self._receive(rank, deadline, "prefill"))
@@ -217,12 +199,6 @@ class LabEngine:
     def reset_prefix_cache(self) -> None:
         self.prefix_cache.reset()
 
-    def rank_stats(self) -> list[dict]:
-        with self._lock:
-            for rank in self._ranks:
-                self._send(rank, ("stats", {}))
-            return [self._receive(rank, time.monotonic() + 30, "stats") for rank in self._ranks]
-
     # --- pipe plumbing ---
 
     def _send(self, rank: _Rank, message: tuple) -> None:
@@ -232,7 +208,7 @@ class LabEngine:
             self._problem = f"rank {rank.rank} is gone ({exc})"
             raise EngineError(self._problem) from None
 
-    def _receive(self, rank: _Rank, deadline: float | None, what: str) -> dict:
+    def _receive(self, rank: _Rank, deadline: float | None, what: str) -> Any:
         while True:
             timeout = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
             try:
@@ -251,7 +227,8 @@ class LabEngine:
                     raise EngineError(f"rank {rank.rank}: {payload}")
                 return payload
             if not rank.process.is_alive():
-                self._problem = f"rank {rank.rank} (pid {rank.process.pid}) exited with {rank.process.exitcode} during {what}"
+                self._problem = (f"rank {rank.rank} (pid {rank.process.pid}) exited with {rank.process.exitcode} "
+                                 f"during {what}")
                 raise EngineError(self._problem)
             if deadline is not None and time.monotonic() >= deadline:
                 self._problem = f"rank {rank.rank} did not answer {what} in time"

@@ -28,6 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from harness.labserver.engine import EngineError, LabEngine
 from harness.labserver.tokenizer import WhitespaceTokenizer
+from telemetry.errors import MemtelError
 
 log = logging.getLogger("memtel.lab.server")
 
@@ -40,8 +41,8 @@ FILLER_WORDS = ("lab", "model", "output", "token")
 MAX_BODY_BYTES = 64 << 20  # a 200k-word prompt is ~1.5 MB; refuse absurd bodies early
 
 
-class ApiError(Exception):
-    """A request the server refuses; rendered as vLLM's error JSON."""
+class ApiError(MemtelError):
+    """A request the server refuses; rendered as vLLM's error JSON (never shown as a command's error)."""
 
     def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None):
         super().__init__(message)
@@ -85,17 +86,21 @@ class LabMetrics:
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (prefix cache hits).")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (prefix cache hits).")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                labels + ["finished_reason"], registry=self.registry)
+                                [*labels, "finished_reason"], registry=self.registry)
         self.success_length = self._success.labels(**values, finished_reason="length")
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(**values)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(**values)
-        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.",
                                       labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(**values)
         self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
                              labels, registry=self.registry).labels(**values)
@@ -125,10 +130,7 @@ class LabService:
         model = body.get("model", self.model_name)
         if model is not None and model != self.model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        if chat:
-            prompt_ids = self._chat_prompt(body.get("messages"))
-        else:
-            prompt_ids = self._prompt_ids(body.get("prompt"))
+        prompt_ids = self._chat_prompt(body.get("messages")) if chat else self._prompt_ids(body.get("prompt"))
         max_tokens = body.get("max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens", 16)
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_ids)
@@ -150,14 +152,16 @@ class LabService:
         self._check_length(len(prompt_ids), max_tokens)
         # Like vLLM 0.32: the output is capped at what still fits in the context.
         max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
-        return CompletionRequest(prompt_ids, max_tokens, stream, bool(options.get("include_usage")), chat, self.model_name)
+        return CompletionRequest(prompt_ids, max_tokens, stream, bool(options.get("include_usage")), chat,
+                                 self.model_name)
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in prompt):
             ids = list(prompt)
         elif prompt is None:
             raise bad_request("`prompt` is required: a string or a list of token ids", "prompt")
@@ -247,7 +251,7 @@ class LabService:
         usage = {"prompt_tokens": len(request.prompt_ids), "completion_tokens": request.max_tokens,
                  "total_tokens": len(request.prompt_ids) + request.max_tokens,
                  "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
-        yield "done", {"usage": usage, "ttft_s": ttft, "lab": outcome.summary()}
+        yield "done", {"usage": usage, "ttft_s": ttft}
 
 
 class LabHandler(BaseHTTPRequestHandler):
@@ -381,7 +385,7 @@ class LabHandler(BaseHTTPRequestHandler):
                               "model": request.model, "choices": [choice], "usage": final["usage"]})
 
     def _stream(self, request: CompletionRequest, arrival: float) -> None:
-        request_id, kind = self._ids(request)
+        request_id, _kind = self._ids(request)
         created = int(time.time())
         chunk_kind = "chat.completion.chunk" if request.chat else "text_completion"
         events = self.service.run(request, arrival)
@@ -408,8 +412,10 @@ class LabHandler(BaseHTTPRequestHandler):
                     delta = {"role": "assistant", "content": data["text"]}
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
             else:
-                choice = {"index": 0, "text": data["text"], "logprobs": None, "finish_reason": None, "stop_reason": None}
-            return {"id": request_id, "object": chunk_kind, "created": created, "model": request.model, "choices": [choice]}
+                choice = {"index": 0, "text": data["text"], "logprobs": None, "finish_reason": None,
+                          "stop_reason": None}
+            return {"id": request_id, "object": chunk_kind, "created": created, "model": request.model,
+                    "choices": [choice]}
 
         try:
             pending = chunk(first[1])

@@ -16,6 +16,8 @@ import mmap
 import os
 import threading
 
+from telemetry.errors import RunError
+
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -24,8 +26,8 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-class HostBackingError(MemoryError):
-    pass
+class HostBackingError(RunError, MemoryError):
+    """The host could not give a simulated segment its pages."""
 
 
 class HostBacking:
@@ -46,7 +48,8 @@ class HostBacking:
     def map(self, segment_id: object, nbytes: int) -> None:
         if nbytes <= 0:
             return
-        address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                             -1, 0)
         if address in (None, _MAP_FAILED):
             errno = ctypes.get_errno()
             raise HostBackingError(f"mmap of {nbytes} bytes for segment {segment_id!r} failed: {os.strerror(errno)}")

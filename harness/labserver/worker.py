@@ -1,11 +1,11 @@
 """One rank of the lab server: a worker process that runs the indexer's logits launches of a prefill.
 
-Each rank plans every chunk step with the indexer planner (stock or fixed width) and, for every layer,
-makes the step's logits launches through `harness.indexer.launch:indexer_logits_launch`, the hook target
-of the `lab-indexer` preset, so memtel's hook records the allocator and the host after every launch,
-exactly as it does on a vLLM worker. Like vLLM's DeepSeek V3.2 indexer (whose query projection is a
-ReplicatedLinear), every tensor-parallel rank computes the whole logits buffer, so every rank shows
-the same allocation pattern.
+Each rank runs every prefill through the one launch loop (`harness.indexer.prefill.run_prefill`, the
+same as `memtel replay`) on its backend, so every launch goes through
+`harness.indexer.launch:indexer_logits_launch`, the hook target of the `lab-indexer` preset, and
+memtel's hook records the allocator and the host after every launch, exactly as it does on a vLLM
+worker. Like vLLM's DeepSeek V3.2 indexer (whose query projection is a ReplicatedLinear), every
+tensor-parallel rank computes the whole logits buffer, so every rank shows the same allocation pattern.
 
 Allocators:
 - `sim`: the caching-allocator simulator; with `unified_memory`, each segment it maps is backed by
@@ -20,7 +20,6 @@ the number of launches stay those of the full-size workload.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -28,8 +27,15 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from harness.indexer.backends import CudaBackend, LaunchBackend, SimBackend
+from harness.indexer.planner import ChunkStep, Launch, Mode
+from harness.indexer.prefill import LaunchPattern, PrefillObserver, run_prefill
+from harness.indexer.shape import IndexerShape
+from harness.labserver.cost_model import CostModel
+from harness.processes import die_with_parent
 
 log = logging.getLogger("memtel.lab.worker")
 
@@ -40,13 +46,9 @@ HOOK_PRESET = "lab-indexer"
 class RankConfig:
     rank: int
     world_size: int
-    arm: str
+    mode: Mode
     allocator: str
-    layers: int
-    chunk: int
-    max_model_len: int
-    compress_ratio: int
-    budget_bytes: int
+    shape: IndexerShape
     scale: float
     time_scale: float
     alloc_conf: str
@@ -57,14 +59,22 @@ class RankConfig:
     memtel_addr: str = "127.0.0.1"
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies (Linux), so no rank outlives its server."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+@dataclass(frozen=True)
+class RankPrefill:
+    """What one rank did for one request."""
+
+    rank: int
+    pid: int
+    launches: int
+    chunk_steps: int
+    seconds: float
+    modeled_s: float | None  # the cost model's time (sim), None on CUDA
+    reserved_before_bytes: int
+    reserved_after_bytes: int
+    num_device_alloc_before: int
+    num_device_alloc_after: int
+    growth_steps: list[tuple[int, int, int]]  # (chunk step, tokens so far, reserved growth bytes)
+    host_backed_bytes: int | None
 
 
 def _set_hook_environment(config: RankConfig) -> None:
@@ -79,94 +89,56 @@ def _set_hook_environment(config: RankConfig) -> None:
         os.environ["MEMTEL_LOG_DIR"] = config.memtel_log_dir
 
 
-class SimBackend:
-    """The caching-allocator simulator, optionally backed by host pages (unified-memory emulation)."""
-
-    name = "sim"
-
-    def __init__(self, config: RankConfig) -> None:
-        from harness.allocsim import CachingAllocatorSim
-
-        self.backing = None
-        hooks: dict[str, Any] = {}
-        if config.unified_memory:
-            from harness.labserver.unified_memory import HostBacking
-
-            self.backing = HostBacking()
-            hooks = {"on_segment_map": self.backing.map, "on_segment_unmap": self.backing.unmap}
-        self.allocator = CachingAllocatorSim(config.alloc_conf, **hooks)
-        self.target = self.allocator  # what indexer_logits_launch allocates on
-
-    def stats(self) -> dict:
-        return self.allocator.stats()
-
-    def describe(self) -> dict:
-        return {"allocator": "sim", "unified_memory": self.backing is not None}
-
-    def host_backed_bytes(self) -> int | None:
-        return None if self.backing is None else self.backing.mapped_bytes
-
-    def finish(self) -> None:
-        """End of a prefill: nothing is in flight on a simulator."""
-
-    def close(self) -> None:
-        if self.backing is not None:
-            self.backing.release_all()
-
-
-class CudaBackend:
-    """Real CUDA allocations through PyTorch's caching allocator on this rank's GPU."""
-
-    name = "cuda"
-
-    def __init__(self, config: RankConfig) -> None:
+def make_backend(config: RankConfig) -> tuple[LaunchBackend, Any]:
+    """This rank's backend, and its host backing (the unified-memory emulation) or None."""
+    if config.allocator == "cuda":
         import torch
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("--allocator cuda needs a CUDA GPU and a CUDA build of torch; use --allocator sim")
-        self.torch = torch
-        self.device = torch.device("cuda", config.rank % torch.cuda.device_count())
-        torch.cuda.set_device(self.device)
-        torch.cuda.init()
-        self.target = self.device
+        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 1
+        return CudaBackend(config.rank % max(device_count, 1)), None
+    backing = None
+    if config.unified_memory:
+        from harness.labserver.unified_memory import HostBacking
 
-    def stats(self) -> dict:
-        stats = self.torch.cuda.memory_stats(self.device)
-        return {"reserved_bytes": stats.get("reserved_bytes.all.current", 0),
-                "allocated_bytes": stats.get("allocated_bytes.all.current", 0),
-                "num_device_alloc": stats.get("num_device_alloc", 0),
-                "num_device_free": stats.get("num_device_free", 0),
-                "num_alloc_retries": stats.get("num_alloc_retries", 0),
-                "num_ooms": stats.get("num_ooms", 0)}
+        backing = HostBacking()
+        return SimBackend(config.alloc_conf, on_segment_map=backing.map, on_segment_unmap=backing.unmap), backing
+    return SimBackend(config.alloc_conf), backing
 
-    def describe(self) -> dict:
-        properties = self.torch.cuda.get_device_properties(self.device)
-        # An integrated GPU (Jetson, GB10-class) takes its memory from the host: MemAvailable moves.
-        return {"allocator": "cuda", "device": str(self.device), "device_name": properties.name,
-                "integrated": bool(getattr(properties, "is_integrated", False))}
 
-    def host_backed_bytes(self) -> None:
-        return None
+@dataclass
+class _StepClock(PrefillObserver):
+    """Per chunk step: the cost model's time slept (sim) and the reserved growth."""
 
-    def finish(self) -> None:
-        """End of a prefill: wait for the GPU, so the time to first token is the GPU's."""
-        self.torch.cuda.synchronize(self.device)
+    backend: LaunchBackend
+    shape: IndexerShape
+    cost: CostModel | None  # None: real time (CUDA)
+    started: float = field(default_factory=time.perf_counter)
+    charged: float = 0.0
+    reserved_before: int = 0
+    growth_steps: list[tuple[int, int, int]] = field(default_factory=list)
 
-    def close(self) -> None:
-        pass
+    def step_started(self, step: ChunkStep, launches: list[Launch]) -> None:
+        self.reserved_before = self.backend.counters().reserved_bytes
+
+    def step_ended(self, step: ChunkStep, launches: list[Launch]) -> None:
+        if self.cost is not None:
+            elements = sum(launch.computed_elements for launch in launches)
+            self.charged += self.cost.prefill_step_s(step.rows, elements, len(launches), self.shape.layers)
+            delay = self.started + self.charged - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        growth = self.backend.counters().reserved_bytes - self.reserved_before
+        if growth:
+            self.growth_steps.append((step.index, step.tokens_so_far, growth))
 
 
 class Rank:
     def __init__(self, config: RankConfig) -> None:
-        from harness.indexer.planner import PlannerConfig
-        from harness.labserver.cost_model import CostModel
-
         self.config = config
-        self.backend = SimBackend(config) if config.allocator == "sim" else CudaBackend(config)
-        self.planner = PlannerConfig(mode=config.arm, chunk=config.chunk, compress_ratio=config.compress_ratio,
-                                     max_model_len=config.max_model_len, max_logits_bytes=config.budget_bytes)
+        self.backend, self.backing = make_backend(config)
+        self.pattern = LaunchPattern(row_scale=config.scale)
         self.cost = CostModel(time_scale=config.time_scale)
-        self.hook_handle = None
+        self.hook_handle: Any = None
         self.requests = 0
         self.launches = 0
 
@@ -174,75 +146,45 @@ class Rank:
         if not self.config.hook:
             return
         import telemetry
-        from harness.indexer import launch as indexer
         from telemetry.hook import set_allocator_source
 
         if self.config.allocator == "sim":
-            set_allocator_source(self.backend.stats)
+            set_allocator_source(self.backend.counters)
         self.hook_handle = telemetry.install([HOOK_PRESET], port=self.config.memtel_port,
                                              log_dir=self.config.memtel_log_dir, addr=self.config.memtel_addr)
         # The hook starts its exporter at a process's first hooked call; one empty launch (0 rows,
         # nothing allocated) brings it up now, so a scrape before the first request finds this rank.
-        indexer.indexer_logits_launch(self.backend.target, 0, 0, 0)
+        self.backend.release(self.backend.launch(0, 0, 0))
 
-    def scaled_rows(self, rows: int) -> int:
-        from harness.indexer.launch import scaled_rows
+    def host_backed_bytes(self) -> int | None:
+        return None if self.backing is None else self.backing.mapped_bytes
 
-        return scaled_rows(rows, self.config.scale)
-
-    def prefill(self, start_token: int, tokens: int) -> dict:
-        from harness.indexer import launch as indexer
-        from harness.indexer.planner import plan_prefill
-
-        before = self.backend.stats()
-        started = time.perf_counter()
-        charged = 0.0
-        launches = 0
-        steps = plan_prefill(tokens, self.planner, start_token=start_token)
-        growth_steps = []
-        target = self.backend.target
-        # As `memtel replay` does by default (and a pipeline does): a launch's logits stay alive until
-        # the next launch has allocated, across layers and chunk steps; the last is freed at the end.
-        previous = None
-        for step, step_launches in steps:
-            reserved_before = self.backend.stats()["reserved_bytes"]
-            for _layer in range(self.config.layers):
-                for launch in step_launches:
-                    logits = indexer.indexer_logits_launch(target, self.scaled_rows(launch.rows), launch.width,
-                                                           launch.kv_len)
-                    if previous is not None:
-                        indexer.release_logits(target, previous)
-                    previous = logits
-                    launches += 1
-                logits = None
-            if self.config.allocator == "sim":
-                elements = sum(launch.rows * launch.kv_len for launch in step_launches)
-                charged += self.cost.prefill_step_s(step.rows, elements, len(step_launches), self.config.layers)
-                delay = started + charged - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-            growth = self.backend.stats()["reserved_bytes"] - reserved_before
-            if growth:
-                growth_steps.append([step.index, step.tokens_so_far, growth])
-        if previous is not None:
-            indexer.release_logits(target, previous)
-            previous = None
+    def prefill(self, start_token: int, tokens: int) -> RankPrefill:
+        before = self.backend.counters()
+        clock = _StepClock(self.backend, self.config.shape, self.cost if self.config.allocator == "sim" else None)
+        done = run_prefill(self.backend, self.config.shape, self.config.mode, tokens, start_token=start_token,
+                           pattern=self.pattern, observer=clock)
         self.backend.finish()
-        after = self.backend.stats()
+        after = self.backend.counters()
         self.requests += 1
-        self.launches += launches
-        return {
-            "rank": self.config.rank, "pid": os.getpid(), "launches": launches, "chunk_steps": len(steps),
-            "seconds": time.perf_counter() - started, "modeled_s": charged if self.config.allocator == "sim" else None,
-            "reserved_before": before["reserved_bytes"], "reserved_after": after["reserved_bytes"],
-            "device_alloc_before": before["num_device_alloc"], "device_alloc_after": after["num_device_alloc"],
-            "growth_steps": growth_steps, "host_backed_bytes": self.backend.host_backed_bytes(),
-        }
+        self.launches += done.launches
+        return RankPrefill(
+            rank=self.config.rank, pid=os.getpid(), launches=done.launches, chunk_steps=done.chunk_steps,
+            seconds=time.perf_counter() - clock.started,
+            modeled_s=clock.charged if clock.cost is not None else None,
+            reserved_before_bytes=before.reserved_bytes, reserved_after_bytes=after.reserved_bytes,
+            num_device_alloc_before=before.num_device_alloc, num_device_alloc_after=after.num_device_alloc,
+            growth_steps=clock.growth_steps, host_backed_bytes=self.host_backed_bytes())
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         return {"rank": self.config.rank, "pid": os.getpid(), "requests": self.requests, "launches": self.launches,
-                "allocator": self.backend.stats(), "host_backed_bytes": self.backend.host_backed_bytes(),
-                **self.backend.describe()}
+                "counters": self.backend.counters().as_dict(), "host_backed_bytes": self.host_backed_bytes(),
+                "unified_memory": self.backing is not None, **self.backend.describe()}
+
+    def close(self) -> None:
+        self.backend.close()
+        if self.backing is not None:
+            self.backing.release_all()
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -254,13 +196,12 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def rank_main(config: RankConfig, conn: Any) -> None:
-    """Entry point of a rank process: set up, report ready, then serve jobs until told to stop."""
-    _die_with_parent()
+    """Entry point of a rank process: set up, report ready, then serve prefills until told to stop."""
+    die_with_parent()
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="memtel-lab-parent").start()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{config.rank} %(name)s: %(message)s",
                         stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops the ranks
-    rank = None
     try:
         _set_hook_environment(config)
         rank = Rank(config)
@@ -280,8 +221,6 @@ def rank_main(config: RankConfig, conn: Any) -> None:
             try:
                 if kind == "prefill":
                     conn.send(("ok", rank.prefill(job["start_token"], job["tokens"])))
-                elif kind == "stats":
-                    conn.send(("ok", rank.snapshot()))
                 else:
                     conn.send(("error", f"unknown job {kind!r}"))
             except Exception as exc:
@@ -293,4 +232,4 @@ def rank_main(config: RankConfig, conn: Any) -> None:
                 rank.hook_handle.uninstall()
             except Exception:
                 pass
-        rank.backend.close()
+        rank.close()

@@ -48,16 +48,20 @@ ensure_vllm_venv() {
     printf '%s' "$want" > "$venv/.memtel-stamp"
 }
 
-# ensure_system_packages: Debian's prometheus (server and promtool) for the live tests.
+# ensure_system_packages: Debian's prometheus (server and promtool) and prometheus-alertmanager
+# (alertmanager and amtool) for the live tests.
 ensure_system_packages() {
-    command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 && return 0
+    command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 \
+        && command -v amtool >/dev/null 2>&1 && command -v prometheus-alertmanager >/dev/null 2>&1 && return 0
     if [ "$(id -u)" != 0 ]; then
-        log "prometheus/promtool are missing and this is not root: the Prometheus tests will fail"
+        log "prometheus/promtool/alertmanager are missing and this is not root: the Prometheus tests will fail"
         return 0
     fi
-    log "installing Debian's prometheus and iproute2"
+    log "installing Debian's prometheus, prometheus-alertmanager and iproute2"
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus iproute2 >/dev/null
-    # The package starts a system Prometheus on :9090; the tests start their own.
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager \
+        iproute2 >/dev/null
+    # The packages start a system Prometheus on :9090 and Alertmanager on :9093; the tests start their own.
     systemctl stop prometheus >/dev/null 2>&1 || service prometheus stop >/dev/null 2>&1 || pkill -x prometheus || true
+    systemctl stop prometheus-alertmanager >/dev/null 2>&1 || service prometheus-alertmanager stop >/dev/null 2>&1 || true
 }

@@ -13,7 +13,7 @@ import logging
 import platform
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -48,6 +48,9 @@ class DaemonCollectors:
         self._lock = threading.Lock()  # guards the counters below
         # Scrapes may overlap (one thread per connection); collectors keep small caches, so one at a time.
         self._collect_lock = threading.Lock()
+        # The last scrape's families: (monotonic time, Unix time, families) of when it began. The flight
+        # recorder records them instead of collecting again when they are fresh (a 1 s scrape).
+        self.last_scrape: tuple[float, float, list[Metric]] | None = None
 
     def describe(self) -> list[Metric]:
         return []  # families vary per scrape; an empty describe keeps registration from collecting
@@ -56,6 +59,15 @@ class DaemonCollectors:
         with self._lock:
             self.scrapes += 1
             scrapes = self.scrapes
+        started = (time.monotonic(), time.time())
+        families = self.collect_sources()
+        self.last_scrape = (*started, families)
+        yield from families
+        yield from self._self_health(scrapes)
+
+    def collect_sources(self, skip: Collection[str] = ()) -> list[Metric]:
+        """Every collector's families (except those named in `skip`) and the health families, without
+        counting a scrape: the flight recorder samples the node through this once a second."""
         success = GaugeMetricFamily(
             "memtel_collector_success", "1 if the collector succeeded during this scrape, else 0.", labels=["collector"]
         )
@@ -68,6 +80,8 @@ class DaemonCollectors:
         collected: list[Metric] = []
         with self._collect_lock:
             for name, collector in self.collectors.items():
+                if name in skip:
+                    continue
                 started = time.perf_counter()
                 ok, families = self._run_one(name, collector)
                 elapsed = time.perf_counter() - started
@@ -75,11 +89,7 @@ class DaemonCollectors:
                 success.add_metric([name], 1.0 if ok else 0.0)
                 duration.add_metric([name], elapsed)
                 failures.add_metric([name], self._failures[name])
-        yield from collected
-        yield success
-        yield duration
-        yield failures
-        yield from self._self_health(scrapes)
+        return [*collected, success, duration, failures]
 
     def _run_one(self, name: str, collector: Collector) -> tuple[bool, list[Metric]]:
         try:

@@ -1,43 +1,60 @@
-"""Allocator statistics for the hook: one read per hooked call.
+"""The allocator read after each hooked call: `AllocatorCounters` from one source per process.
 
 The default source is the CUDA caching allocator read through torch's nested statistics binding,
 `torch._C._cuda_memoryStats(device)` (what `torch.cuda.memory_stats` calls before it flattens and
 sorts all keys): one C++ call returns every counter, about 10 us on an H200 against 80-140 us for
-`memory_stats()` / `memory_reserved()`. The lab server replaces the source with its simulator
-through `set_allocator_source` (docs/architecture.md, "Allocator source").
+`memory_stats()` / `memory_reserved()`. A torch without that private binding is read through the
+public `torch.cuda.memory_stats()`: slower, but the same counters; the hook says so once in its log
+and in `memtel_hook_allocator_reader_info{reader}`. The lab server replaces the source with its
+simulator through `set_allocator_source` (docs/architecture.md, "Allocator source").
 
 torch is never imported here: a process that has not imported torch has no allocator to read.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
-FIELDS = ("reserved_bytes", "allocated_bytes", "num_device_alloc", "num_device_free",
-          "num_alloc_retries", "num_ooms")
+from telemetry.allocator_counters import FIELDS, AllocatorCounters
+from telemetry.errors import ConfigError
 
-AllocatorStats = tuple  # the FIELDS values, in that order
+log = logging.getLogger("memtel.hook")
+
+NESTED_BINDING = "torch._C._cuda_memoryStats"
+PUBLIC_MEMORY_STATS = "torch.cuda.memory_stats"
+ALLOCATOR_SOURCE = "allocator_source"
+
+# Builds the named tuple from a plain tuple without its Python-level __new__ (the hot path's share).
+_new_counters = tuple.__new__
 
 
 class CudaAllocatorReader:
     """Reads the CUDA caching allocator of the current device; None where there is none (yet)."""
 
     def __init__(self) -> None:
-        self._binding: Callable | None = None
-        self._device: int | None = None
-        self._torch = None
-        self.device: str | None = None  # "cuda:N" once bound (the record's `device`)
+        self._binding: Callable[[int], Any] | None = None
+        self._public = False   # reading through torch.cuda.memory_stats (the binding is missing)
+        self._device = 0
+        self._torch: Any = None
+        self.device = "cpu"             # "cuda:N" once bound (the record's `device`)
+        self.kind: str | None = None    # which reader (NESTED_BINDING or PUBLIC_MEMORY_STATS) once bound
+        self._last: tuple[tuple | None, AllocatorCounters | None] = (None, None)   # replaced whole (threads)
 
     def reset(self) -> None:
         """Forget the device (after fork: the child has no CUDA context of its own yet)."""
         self._binding = None
-        self._device = None
+        self._public = False
+        self._device = 0
         self._torch = None
-        self.device = None
+        self.device = "cpu"
+        self.kind = None
+        self._last = (None, None)
 
-    def read(self) -> AllocatorStats | None:
+    def read(self) -> AllocatorCounters | None:
         binding = self._binding
         if binding is None:
             binding = self._bind()
@@ -48,12 +65,19 @@ class CudaAllocatorReader:
         except RuntimeError:
             # "Invalid device argument": the allocator of this device is not set up (yet).
             return None
-        return (stats["reserved_bytes"]["all"]["current"], stats["allocated_bytes"]["all"]["current"],
-                stats["num_device_alloc"], stats["num_device_free"], stats["num_alloc_retries"],
-                stats["num_ooms"])
+        if self._public:
+            return AllocatorCounters.from_memory_stats(stats)
+        # AllocatorCounters.from_nested, written out: a Python call less per hooked call.
+        values = (stats["reserved_bytes"]["all"]["current"], stats["allocated_bytes"]["all"]["current"],
+                  stats["num_device_alloc"], stats["num_device_free"], stats["num_alloc_retries"], stats["num_ooms"])
+        # Between most consecutive calls nothing changed: the last object is handed back (building the named
+        # tuple costs more than comparing), which also lets the recorder and the line format skip their work.
+        last = self._last
+        if last[0] != values:
+            last = self._last = (values, _new_counters(AllocatorCounters, values))
+        return last[1]
 
-
-    def _bind(self) -> Callable | None:
+    def _bind(self) -> Callable[[int], Any] | None:
         torch = self._torch or sys.modules.get("torch")
         if torch is None or not hasattr(torch, "cuda"):
             return None  # not imported (or still importing): never import it ourselves
@@ -62,56 +86,66 @@ class CudaAllocatorReader:
         if not torch.cuda.is_initialized():
             return None
         binding = getattr(torch._C, "_cuda_memoryStats", None)
+        kind = NESTED_BINDING
         if binding is None:
-            return None
+            binding = torch.cuda.memory_stats
+            kind = PUBLIC_MEMORY_STATS
+            log.warning("memtel: torch %s has no %s: reading the allocator through %s instead (same counters, "
+                        "about 10x slower per hooked call; memtel_hook_allocator_reader_info{reader=%r})",
+                        getattr(torch, "__version__", "?"), NESTED_BINDING, PUBLIC_MEMORY_STATS, kind)
         self._device = torch.cuda.current_device()
         self.device = f"cuda:{self._device}"
+        self._public = kind == PUBLIC_MEMORY_STATS
+        self.kind = kind
         self._binding = binding
         return binding
 
 
-class DictSourceReader:
-    """Adapts a `fn() -> dict | None` allocator source (the lab's simulator) to the reader protocol."""
+class SourceReader:
+    """Adapts an allocator source `fn() -> AllocatorCounters | dict | None` (the lab's simulator)."""
 
-    def __init__(self, source: Callable[[], dict | None], device: str) -> None:
+    kind = ALLOCATOR_SOURCE
+
+    def __init__(self, source: Callable[[], AllocatorCounters | Mapping[str, int] | None], device: str) -> None:
         self.source = source
         self.device = device
 
     def reset(self) -> None:
         pass
 
-    def read(self) -> AllocatorStats | None:
-        stats = self.source()
-        if stats is None:
-            return None
-        return tuple(int(stats[name]) for name in FIELDS)
+    def read(self) -> AllocatorCounters | None:
+        values = self.source()
+        if values is None or isinstance(values, AllocatorCounters):
+            return values
+        # Every field is required: a source that lost one is an error (counted), not a fake 0.
+        return _new_counters(AllocatorCounters, tuple(int(values[name]) for name in FIELDS))
 
 
+AllocatorReader = CudaAllocatorReader | SourceReader
 
 _lock = threading.Lock()
-_reader: CudaAllocatorReader | DictSourceReader = CudaAllocatorReader()
+_reader: AllocatorReader = CudaAllocatorReader()
 
 
-def set_allocator_source(source: Callable[[], dict | None] | None, *, device: str = "sim") -> None:
+def set_allocator_source(source: Callable[[], AllocatorCounters | Mapping[str, int] | None] | None, *,
+                         device: str = "sim") -> None:
     """Make the hook read `source()` after each call instead of the CUDA allocator.
 
-    `source()` returns a dict with the keys in FIELDS, or None when there is nothing to read.
-    `device` is what the per-call records name as their device. `None` restores the default
+    `source()` returns `AllocatorCounters`, a dict with the keys in FIELDS, or None when there is nothing
+    to read. `device` is what the per-call records name as their device. `None` restores the default
     (the CUDA caching allocator).
     """
     global _reader
     if source is not None and not callable(source):
-        raise ValueError(f"allocator source must be a callable returning a dict with keys {FIELDS}, "
-                         f"got {source!r}")
+        raise ConfigError(f"allocator source must be a callable returning AllocatorCounters or a dict with keys "
+                          f"{', '.join(FIELDS)}, got {source!r}")
     with _lock:
-        _reader = CudaAllocatorReader() if source is None else DictSourceReader(source, device)
+        _reader = CudaAllocatorReader() if source is None else SourceReader(source, device)
 
 
-def current_reader() -> CudaAllocatorReader | DictSourceReader:
+def current_reader() -> AllocatorReader:
     return _reader
 
 
-def read_allocator() -> dict | None:
-    """The current source's values as a dict (off the hot path: baselines, tests)."""
-    values = _reader.read()
-    return None if values is None else dict(zip(FIELDS, values))
+__all__ = ["ALLOCATOR_SOURCE", "NESTED_BINDING", "PUBLIC_MEMORY_STATS", "AllocatorReader", "CudaAllocatorReader",
+           "SourceReader", "current_reader", "set_allocator_source"]

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 _is_compiling: Callable[[], bool] | None = None
-_cuda = None  # torch.cuda once bound
+_cuda: Any = None  # torch.cuda once bound
 _is_capturing: Callable[[], bool] | None = None
 _current_stream: Callable[[int], tuple] | None = None
 _cuda_ready = False  # CUDA seen initialized (it never goes back, except in a forked child: reset())
@@ -50,7 +51,7 @@ def passing_through() -> bool:
     global _cuda_ready
     if _is_compiling is None and not _bind():
         return False
-    if _is_compiling():
+    if _is_compiling():  # type: ignore[misc]  # bound just above
         return True
     if _is_capturing is None:
         return False

@@ -3,7 +3,10 @@
 Each site names the module attribute that its call site looks up *at call time*: patching a name
 where it is defined does nothing for a module that imported it with `from ... import name` before
 the patch, so the target is the attribute the caller actually reads. `call_sites` records which
-module reads it and how; tests/hook/test_presets.py checks both against the installed source.
+module reads it and how; `layer` names the model layer whose forward makes those calls, so the hook
+can tell, once the model is loaded, that a hooked function will never run in this model (vLLM imports
+the indexer's modules in every worker, whatever the model). tests/hook/test_presets.py checks all
+three against the installed source.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ class PresetSite:
     call_sites: tuple[str, ...]      # modules whose functions call it, looking the name up at call time
     lookup: str                      # "module global" or "function-local import"
     why: str
+    layer: str | None = None         # "package.module:Class": the model layer that runs these calls
 
 
 PRESETS: dict[str, tuple[PresetSite, ...]] = {
@@ -29,6 +33,7 @@ PRESETS: dict[str, tuple[PresetSite, ...]] = {
             lookup="module global",
             why="sparse_attn_indexer() (the custom op's implementation, run eagerly also under "
                 "torch.compile) calls the name imported at module level from vllm.utils.deep_gemm",
+            layer="vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer",
         ),
         PresetSite(
             target="vllm.utils.deep_gemm:fp8_fp4_mqa_logits",
@@ -36,6 +41,7 @@ PRESETS: dict[str, tuple[PresetSite, ...]] = {
             lookup="function-local import",
             why="the GLM kpool indexer imports the name from vllm.utils.deep_gemm inside its prefill "
                 "function, so it reads the deep_gemm module attribute on every call",
+            layer="vllm.models.glm5next.nvidia.sparse_indexer:SparseAttnIndexerKpool",
         ),
     ),
     # The decode path's paged logits ([batch, max_model_len]: fixed width, no growth per step);
@@ -46,12 +52,14 @@ PRESETS: dict[str, tuple[PresetSite, ...]] = {
             call_sites=("vllm.model_executor.layers.sparse_attn_indexer",),
             lookup="module global",
             why="the decode branch of sparse_attn_indexer() calls the module-level import",
+            layer="vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer",
         ),
         PresetSite(
             target="vllm.utils.deep_gemm:fp8_fp4_paged_mqa_logits",
             call_sites=("vllm.models.glm5next.nvidia.sparse_indexer",),
             lookup="function-local import",
             why="the GLM kpool indexer imports it inside its decode function",
+            layer="vllm.models.glm5next.nvidia.sparse_indexer:SparseAttnIndexerKpool",
         ),
     ),
     # The lab server's stand-in for the indexer (harness/indexer/launch.py): one call per logits launch.
@@ -64,6 +72,18 @@ PRESETS: dict[str, tuple[PresetSite, ...]] = {
         ),
     ),
 }
+
+
+# Methods whose return means "the model is loaded" in a serving engine: the hook then reports targets
+# that have not resolved (docs/hook.md, "Unresolved targets"). vLLM 0.32: every V1 worker loads the model
+# through `Worker.load_model` (the CPU worker inherits it); checked by tests/hook/test_presets.py.
+MODEL_LOADED: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm.v1.worker.gpu_worker:Worker.load_model",),
+}
+
+
+# target -> the model layer that runs it (where a preset knows it).
+LAYERS: dict[str, str] = {site.target: site.layer for sites in PRESETS.values() for site in sites if site.layer}
 
 
 def expand(names: list[str] | tuple[str, ...]) -> list[str]:

@@ -1,27 +1,42 @@
-"""install / uninstall: one hook session per process.
+"""install / uninstall: one hook session per process, built from one HookConfig.
 
-The session owns the patches, the import watcher (targets whose module is not imported yet), the
-recorder and its sinks. Installing again adds only targets that are not hooked yet (installing the
-same target twice is a no-op) and returns the same handle; `uninstall()` puts back the original
-objects and stops the sinks.
+The session builds its parts in dependency order, each from the config and the parts before it: the
+state, the call-log writer, the recorder (the hot path), the collector and the registry the exporter
+serves. It owns the patches and the import watcher (targets whose module is not imported yet). A
+process "starts" at its first record, or at the unresolved check: the rank is resolved, the call log
+opened, the exporter started, and the hook announces itself once through the `memtel.hook` logger.
+
+Installing again adds only targets that are not hooked yet (installing the same target twice is a
+no-op) and returns the same handle; `uninstall()` puts back the original objects and stops the rest.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from types import FrameType, ModuleType
+from typing import Any
 
-from telemetry.hook import presets
-from telemetry.hook.jsonl_sink import JsonlConfig, JsonlSink
-from telemetry.hook.prometheus_sink import Exporter, HookCollector, HookStats
+from prometheus_client.registry import CollectorRegistry
+
+from telemetry.errors import ConfigError
+from telemetry.hook import allocator, guards, presets
+from telemetry.hook.collector import HookCollector
+from telemetry.hook.config import HookConfig
+from telemetry.hook.exporter import ExporterHandle, start_exporter
+from telemetry.hook.log_writer import CallLogWriter
+from telemetry.hook.rank import RankInfo, resolve_rank
 from telemetry.hook.record import Recorder, make_wrapper
+from telemetry.hook.state import INSTALLED, NOT_IN_MODEL, PENDING, HookState
 from telemetry.hook.targets import (
+    WRAPPED_ATTR,
     ImportWatcher,
     InstallError,
     Patch,
@@ -30,45 +45,27 @@ from telemetry.hook.targets import (
     module_exists,
     parse_target,
 )
+from telemetry.procfs.meminfo import MeminfoReader
 
 log = logging.getLogger("memtel.hook")
 
-DEFAULT_PORT = 9200
+# How an unresolved target's status reads in the log.
+_UNRESOLVED_WHY = {
+    PENDING: "its module was never imported",
+    "module_not_found": "no such module",
+    "attribute_not_found": "no such function or method",
+    "not_callable": "not callable",
+    "patch_failed": "could not be patched",
+}
+
+Wrapper = Callable[[Callable, Target], Callable]
 
 
-@dataclass(frozen=True)
-class HookConfig:
-    port: int | None = DEFAULT_PORT   # exporter on port + local rank; None: no exporter
-    addr: str = "0.0.0.0"
-    log_dir: str | None = None        # per-call JSONL log; None: no log
-    record_shape: bool = False           # add [rows, cols] of the first tensor argument
-    flush_interval_s: float = 0.5
-    flush_records: int = 4096
-    max_queue: int = 65536
-
-    def __post_init__(self) -> None:
-        if self.port is not None and (isinstance(self.port, bool) or not isinstance(self.port, int)
-                                      or not 0 < self.port < 65536):
-            raise ValueError(f"port must be an integer in 1..65535 (or None for no exporter), got {self.port!r}")
-        if self.flush_interval_s <= 0 or self.flush_records < 1 or self.max_queue < 1:
-            raise ValueError("flush_interval_s, flush_records and max_queue must be positive")
-
-
-def parse_targets(targets: str | Iterable[str]) -> list[Target]:
-    """Targets and preset names (a comma-separated string or a list) -> targets; ValueError if malformed."""
-    items = targets.split(",") if isinstance(targets, str) else list(targets)
-    names = [item.strip() if isinstance(item, str) else item for item in items]
-    names = [n for n in names if n != ""]
-    if not names:
-        raise ValueError(f"no hook targets given: expected one or more of "
-                         f'"package.module:function", "package.module:Class.method" or a preset '
-                         f"({', '.join(sorted(presets.PRESETS))})")
-    for name in names:
-        if isinstance(name, str) and ":" not in name and name not in presets.PRESETS:
-            raise ValueError(f"unknown hook target or preset {name!r}: expected "
-                             f'"package.module:function", "package.module:Class.method" or one of the '
-                             f"presets {', '.join(sorted(presets.PRESETS))}")
-    return [parse_target(t) for t in presets.expand(names)]
+def _why(target: str, status: str) -> str:
+    if status == NOT_IN_MODEL:
+        layer = presets.LAYERS[target].partition(":")[2]
+        return f"hooked, but the loaded model has no {layer} layer: it never runs"
+    return _UNRESOLVED_WHY.get(status, status)
 
 
 class HookHandle:
@@ -78,20 +75,29 @@ class HookHandle:
         self._session = session
 
     @property
+    def config(self) -> HookConfig:
+        return self._session.config
+
+    @property
     def installed(self) -> list[str]:
-        return [t.name for t in self._session.patches]
+        return [t.name for t in self._session.patches if t not in self._session.signals]
 
     @property
     def pending(self) -> list[str]:
-        return [t.name for t in self._session.pending]
+        return [t.name for t in self._session.pending if t not in self._session.signals]
 
     @property
     def failed(self) -> dict[str, str]:
-        return dict(self._session.failed)
+        return {name: status for name, status in self.unresolved.items() if status not in (PENDING, NOT_IN_MODEL)}
 
     @property
-    def stats(self) -> HookStats:
-        return self._session.stats
+    def unresolved(self) -> dict[str, str]:
+        """Configured targets not installed now: name -> "pending" or the reason it failed."""
+        return self._session.state.unresolved()
+
+    @property
+    def state(self) -> HookState:
+        return self._session.state
 
     @property
     def collector(self) -> HookCollector:
@@ -99,15 +105,21 @@ class HookHandle:
 
     @property
     def log_path(self) -> str | None:
-        jsonl = self._session.recorder.jsonl
-        return jsonl.path if jsonl is not None else None
+        writer = self._session.recorder.log
+        return writer.path if writer is not None else None
 
     @property
     def exporter_port(self) -> int | None:
-        exporter = self._session.recorder.exporter
+        exporter = self._session.exporter
         return exporter.port if exporter is not None else None
 
+    def check_unresolved(self) -> dict[str, str]:
+        """Report the targets not resolved now, once (a warning and memtel_hook_unresolved_targets), and start
+        this process's exporter and log: what the model-loaded signal or the timer does. Returns them."""
+        return self._session.check_unresolved("when asked")
+
     def flush(self) -> None:
+        """Write every waiting call-log record now. Never raises (a failed write is counted and logged)."""
         self._session.flush()
 
     def uninstall(self) -> None:
@@ -119,65 +131,84 @@ class HookHandle:
 
 
 class HookSession:
-    def __init__(self, config: HookConfig, registry=None) -> None:
+    def __init__(self, config: HookConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.closed = False
         self.lock = threading.RLock()
+        self._start_lock = threading.Lock()
         self.patches: dict[Target, Patch] = {}
-        self.pending: dict[Target, None] = {}
-        self.failed: dict[str, str] = {}
-        self.stats = HookStats()
-        jsonl = None
-        if config.log_dir is not None:
-            jsonl = JsonlSink(JsonlConfig(config.log_dir, config.max_queue, config.flush_records,
-                                          config.flush_interval_s), node="",
-                              on_error=lambda stage: self.stats.count_error("", stage))
-        self.recorder = Recorder(exporter=None, jsonl=jsonl, stats=self.stats,
-                                 record_shape=config.record_shape, on_first_record=self._first_record)
-        self.collector = HookCollector(self.stats, self.recorder.labels)
-        if config.port is not None:
-            self.recorder.exporter = Exporter(self.collector, config.port, config.addr)
-        if jsonl is not None:
-            jsonl.node = self.recorder.node
-        self.registry = registry
+        self.pending: dict[Target, Wrapper] = {}
+        self.signals: set[Target] = set()   # model-loaded targets: patched, but not hook targets
+        self.state = HookState(node=config.node or socket.gethostname(), targets={},
+                               log_configured=config.log_dir is not None)
+        self.log = (CallLogWriter(config.log_dir, self.state, max_queue=config.max_queue,
+                                  flush_records=config.flush_records, flush_interval_s=config.flush_interval_s)
+                    if config.log_dir is not None else None)
+        self.recorder = Recorder(self.state, self.log, MeminfoReader(config.meminfo_path),
+                                 record_shape=config.record_shape, on_first_record=self.start_process)
+        self.collector = HookCollector(self.state)
+        self.registry = CollectorRegistry(auto_describe=True)   # what the exporter serves
+        self.registry.register(self.collector)
+        self.extra_registry = registry
         if registry is not None:
             registry.register(self.collector)
+        self.exporter: ExporterHandle | None = None
         self.wrap = make_wrapper(self.recorder.record)
+        self.signal_wrap = _make_signal_wrapper(self._model_loaded)
         self.watcher = ImportWatcher(self._module_loaded, self._module_missing)
-        self._previous_sigterm = None
+        self._previous_sigterm: Any = None
         self._sigterm_installed = False
+        self._timer: threading.Timer | None = None
         self.handle = HookHandle(self)
         self.recorder.baseline()
+        self._add([parse_target(name) for name in config.model_loaded], self.signal_wrap)
+        if config.unresolved_after_s is not None:
+            self._timer = threading.Timer(config.unresolved_after_s, self.check_unresolved,
+                                          args=(f"{config.unresolved_after_s:g} s after install",))
+            self._timer.daemon = True
+            self._timer.name = "memtel-unresolved-check"
+            self._timer.start()
         atexit.register(self.close)
 
     # targets
-    def add(self, targets: list[Target]) -> None:
+    def add(self, targets: Iterable[Target]) -> None:
+        self._add(list(targets), self.wrap)
+
+    def _add(self, targets: list[Target], wrap: Wrapper) -> None:
         with self.lock:
             for target in targets:
                 if target in self.patches or target in self.pending:
                     continue  # installing twice is a no-op
-                self.failed.pop(target.name, None)
+                if wrap is self.signal_wrap:
+                    self.signals.add(target)
+                else:
+                    self.state.set_target(target.name, PENDING)
                 module = sys.modules.get(target.module)
                 if module is not None:
-                    self._patch(target, module)
-                    continue
-                if module_exists(target.module) is False:
+                    self._patch(target, module, wrap)
+                elif module_exists(target.module) is False:
                     self._fail(target, "module_not_found", f"{target}: no module named {target.module!r}")
-                    continue
-                self.pending[target] = None
-                self.watcher.watch(target.module)
+                else:
+                    self.pending[target] = wrap
+                    self.watcher.watch(target.module)
 
-    def _patch(self, target: Target, module) -> None:
+    def _patch(self, target: Target, module: ModuleType, wrap: Wrapper) -> None:
         try:
-            self.patches[target] = apply_patch(target, module, self.wrap)
+            self.patches[target] = apply_patch(target, module, wrap)
         except InstallError as error:
             self._fail(target, error.reason, str(error))
+            return
         except Exception as error:  # an odd module or descriptor: never crash the host
             self._fail(target, "patch_failed", f"{target}: {error!r}")
+            return
+        if target not in self.signals:
+            self.state.set_target(target.name, INSTALLED)
 
     def _fail(self, target: Target, reason: str, message: str) -> None:
-        self.failed[target.name] = reason
-        self.stats.count_install_failure(target.name, reason)
+        if target in self.signals:  # another engine or version: the timer (if any) is the fallback
+            log.debug("memtel: model-loaded signal %s not available (%s)", target, reason)
+            return
+        self.state.count_install_failure(target.name, reason)
         log.warning("memtel: hook target not installed (%s): %s", reason, message)
 
     def _module_loaded(self, name: str) -> None:
@@ -186,9 +217,9 @@ class HookSession:
                 return
             module = sys.modules.get(name)
             for target in [t for t in self.pending if t.module == name]:
-                del self.pending[target]
+                wrap = self.pending.pop(target)
                 if module is not None:
-                    self._patch(target, module)
+                    self._patch(target, module, wrap)
             self.watcher.unwatch(name)
 
     def _module_missing(self, name: str) -> None:
@@ -198,10 +229,105 @@ class HookSession:
                 self._fail(target, "module_not_found", f"{target}: no module named {name!r}")
             self.watcher.unwatch(name)
 
-    # first record of this process: flush the log on SIGTERM too (only where something records)
-    def _first_record(self) -> None:
-        if self.recorder.jsonl is None:
+    # the process: rank, log, exporter, announcement (once, at the first record or the unresolved check)
+    def start_process(self) -> None:
+        with self._start_lock:
+            state = self.state
+            if state.started or self.closed:
+                return
+            rank = resolve_rank()
+            with state.lock:
+                state.rank = rank
+                state.started = True
+            if self.log is not None and not self.log.open(rank.rank):
+                self.recorder.log = None
+            self._start_exporter(rank)
+            if self.recorder.log is not None:
+                self._flush_at_exit()
+            self._announce(rank)
+
+    def _start_exporter(self, rank: RankInfo) -> None:
+        config = self.config
+        if config.port is None:
             return
+        port = config.port + rank.local_rank
+        try:
+            if not 0 < port < 65536:
+                raise ConfigError(f"port {config.port} + local rank {rank.local_rank} = {port} is not a valid port")
+            self.exporter = start_exporter(self.registry, config.addr, port, config.web_config)
+        except Exception as error:  # a taken port or a bad web config must not stop the log or the host
+            log.warning("memtel: hook exporter not started on %s port %d (MEMTEL_PORT %d + local rank %d): %s",
+                        config.addr, port, config.port, rank.local_rank, error)
+            self.state.count_error("", "exporter")
+
+    def _announce(self, rank: RankInfo) -> None:
+        hooked = sorted(name for name, status in self.state.targets.items() if status == INSTALLED)
+        unresolved = self.state.unresolved()
+        if self.exporter is not None:
+            exporter = f"http://{self.config.addr}:{self.exporter.port}/metrics"
+        else:
+            exporter = ("off (no port: MEMTEL_PORT=off)" if self.config.port is None
+                        else "not started (see the line above)")
+        if self.recorder.log is not None and self.recorder.log.path is not None:
+            call_log = self.recorder.log.path
+        else:
+            call_log = ("off (no log directory: MEMTEL_LOG_DIR unset)" if self.log is None
+                        else "off (see the line above)")
+        log.info("memtel hook on in pid %d: rank %d (local rank %d, from %s); hooked: %s; unresolved: %s; "
+                 "exporter: %s; call log: %s", os.getpid(), rank.rank, rank.local_rank, rank.source,
+                 ", ".join(hooked) or "none", ", ".join(sorted(unresolved)) or "none", exporter, call_log)
+
+    def _model_loaded(self, loaded: Target, args: tuple) -> None:
+        """A model-loaded signal returned: `args[0]` is the engine's worker (`get_model()` gives the model)."""
+        get_model = getattr(args[0], "get_model", None) if args else None
+        if callable(get_model):
+            try:
+                self._mark_targets_not_in_model(get_model())
+            except Exception as error:  # another engine's worker: the install status alone is reported
+                log.debug("memtel: cannot look into the loaded model: %r", error)
+        self.check_unresolved("after the model loaded")
+
+    def _mark_targets_not_in_model(self, model: Any) -> None:
+        """Installed targets whose preset layer (presets.LAYERS) the model does not contain: NOT_IN_MODEL."""
+        modules = getattr(model, "modules", None)
+        if not callable(modules):
+            return
+        with self.state.lock:
+            layers = {name: presets.LAYERS[name] for name, status in self.state.targets.items()
+                      if status == INSTALLED and name in presets.LAYERS and name not in self.state.sites}
+        classes: dict[str, type] = {}
+        for layer in set(layers.values()):
+            module, _, qualname = layer.partition(":")
+            cls = getattr(sys.modules.get(module), qualname, None)
+            if isinstance(cls, type):   # a layer class whose module was never imported has no instance
+                classes[layer] = cls
+        found = {layer for module in modules() for layer, cls in classes.items() if isinstance(module, cls)}
+        with self.state.lock:
+            for name, layer in layers.items():
+                if layer not in found and self.state.targets.get(name) == INSTALLED and name not in self.state.sites:
+                    self.state.targets[name] = NOT_IN_MODEL
+
+    def check_unresolved(self, when: str) -> dict[str, str]:
+        """Warn once about configured targets that are not installed, then start the process (exporter up, so
+        memtel_hook_unresolved_targets can be scraped even where nothing was ever recorded)."""
+        with self.lock:
+            if self.closed:
+                return {}
+            first = not self.state.unresolved_checked
+            with self.state.lock:
+                self.state.unresolved_checked = True
+        unresolved = self.state.unresolved()
+        if first and unresolved:
+            details = "; ".join(f"{name} ({_why(name, status)})" for name, status in sorted(unresolved.items()))
+            log.warning("memtel: %d of %d hook targets not resolved %s in pid %d, nothing is recorded for them: %s. "
+                        "Check the names against this program's version (docs/hook.md, \"Unresolved targets\"); "
+                        "memtel_hook_unresolved_targets shows them", len(unresolved), len(self.state.targets), when,
+                        os.getpid(), details)
+        self.start_process()
+        return unresolved
+
+    # flushing the log on SIGTERM and at a multiprocessing child's exit (only where something records)
+    def _flush_at_exit(self) -> None:
         # A multiprocessing child (vLLM's workers) ends with os._exit: atexit never runs there, the
         # multiprocessing finalizers do. Only if the process uses multiprocessing already.
         mp_util = sys.modules.get("multiprocessing.util")
@@ -222,11 +348,8 @@ class HookSession:
         except (ValueError, OSError):  # not the main thread of the main interpreter
             pass
 
-    def _on_sigterm(self, signum, frame):
-        try:
-            self.flush()
-        except Exception:
-            pass
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> Any:
+        self.flush()
         previous = self._previous_sigterm
         if callable(previous):
             return previous(signum, frame)
@@ -238,8 +361,9 @@ class HookSession:
         return None
 
     def flush(self) -> None:
-        if self.recorder.jsonl is not None:
-            self.recorder.jsonl.flush()
+        writer = self.recorder.log
+        if writer is not None:
+            writer.flush()
 
     def close(self) -> None:
         global _session
@@ -247,15 +371,25 @@ class HookSession:
             if self.closed:
                 return
             self.closed = True
+            if self._timer is not None:
+                self._timer.cancel()
             for patch in reversed(list(self.patches.values())):
                 patch.restore()
             self.patches.clear()
             self.pending.clear()
             self.watcher.close()
         self.recorder.close()
-        if self.registry is not None:
+        if self.log is not None:
+            self.log.close()
+        if self.exporter is not None:
             try:
-                self.registry.unregister(self.collector)
+                self.exporter.stop()
+            except Exception:
+                pass
+            self.exporter = None
+        if self.extra_registry is not None:
+            try:
+                self.extra_registry.unregister(self.collector)
             except KeyError:
                 pass
         if self._sigterm_installed and threading.current_thread() is threading.main_thread():
@@ -271,41 +405,77 @@ class HookSession:
                 _session = None
 
     def after_fork_in_child(self) -> None:
+        """A forked child is a new process: its own numbers, rank, exporter and log. The unresolved timer is
+        not re-armed (a pool worker must not start an exporter); the model-loaded signal still works."""
         self.lock = threading.RLock()
+        self._start_lock = threading.Lock()
         self._sigterm_installed = False
-        self.recorder.reset_after_fork()
+        self._timer = None
+        self.state.reset_after_fork()
+        allocator.current_reader().reset()
+        guards.reset()   # (the meminfo descriptor is dropped by procfile's own at-fork handler)
+        if self.exporter is not None:
+            self.exporter.close_after_fork()
+            self.exporter = None
+        if self.log is not None:
+            self.log.reset_after_fork()
+        self.recorder.log = self.log
+
+
+def _make_signal_wrapper(on_return: Callable[[Target, tuple], None]) -> Wrapper:
+    """A factory for targets.apply_patch: the wrapper calls the original, then `on_return(target, args)`
+    (never raising into the host)."""
+
+    def wrap(original: Callable, target: Target) -> Callable:
+        @functools.wraps(original)
+        def memtel_model_loaded(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            try:
+                on_return(target, args)
+            except Exception:
+                pass
+            return result
+
+        setattr(memtel_model_loaded, WRAPPED_ATTR, original)
+        return memtel_model_loaded
+
+    return wrap
 
 
 _lock = threading.Lock()
 _session: HookSession | None = None
 
 
-def install(targets: str | Iterable[str], *, port: int | None = DEFAULT_PORT, log_dir: str | None = None,
-            record_shape: bool = False, addr: str = "0.0.0.0", registry=None,
-            flush_interval_s: float = 0.5, flush_records: int = 4096, max_queue: int = 65536) -> HookHandle:
-    """Hook `targets` in this process and return the handle (see docs/hook.md).
-
-    `targets`: "package.module:function", "package.module:Class.method" or preset names, as a list
-    or one comma-separated string. A malformed target raises ValueError; a module or attribute
-    that does not exist is logged and counted (memtel_hook_install_failures_total), never raised.
-    `port`: the exporter listens on port + local rank once a hooked function has run here (None: no
-    exporter). `log_dir`: per-call JSONL log directory (None: no log). `registry`: also register
-    the hook's collector there (tests).
-    """
+def install_config(config: HookConfig, *, registry: CollectorRegistry | None = None) -> HookHandle:
+    """Hook `config.targets` in this process with `config`'s settings and return the handle."""
     global _session
-    parsed = parse_targets(targets)
-    config = HookConfig(port=port, addr=addr, log_dir=None if log_dir is None else os.fspath(log_dir),
-                        record_shape=record_shape, flush_interval_s=flush_interval_s,
-                        flush_records=flush_records, max_queue=max_queue)
     with _lock:
         session = _session
         if session is None:
             session = _session = HookSession(config, registry)
-        elif session.config != config:
+        elif session.config.options() != config.options():
             log.warning("memtel: hook already installed in this process with other options; "
-                        "keeping %s, adding targets only", session.config)
-    session.add(parsed)
+                        "keeping %s, adding targets only", session.config.options())
+    session.add(parse_target(name) for name in config.targets)
     return session.handle
+
+
+def install(targets: str | Iterable[str], *, registry: CollectorRegistry | None = None,
+            **options: Any) -> HookHandle:
+    """Hook `targets` in this process and return the handle (see docs/hook.md).
+
+    `targets`: "package.module:function", "package.module:Class.method" or preset names, as a list
+    or one comma-separated string. `options`: the HookConfig settings (port, addr, log_dir,
+    record_shape, ...). A malformed target or option raises ConfigError (a ValueError); a module or
+    attribute that does not exist is logged and counted (memtel_hook_install_failures_total), never raised.
+    `registry`: also register the hook's collector there (tests).
+    """
+    try:
+        config = HookConfig(targets=targets, **options)  # type: ignore[arg-type]
+    except TypeError as error:
+        valid = ", ".join(f for f in HookConfig.__dataclass_fields__ if f != "targets")
+        raise ConfigError(f"unknown hook option in {sorted(options)}: expected some of {valid} ({error})") from None
+    return install_config(config, registry=registry)
 
 
 def active_handle() -> HookHandle | None:

@@ -14,9 +14,12 @@ import logging
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from telemetry.errors import ConfigError
+from telemetry.hook import presets
 
 log = logging.getLogger("memtel.hook")
 
@@ -41,13 +44,33 @@ class Target:
 
 
 def parse_target(text: object) -> Target:
-    """Parse one target; a malformed one raises ValueError that shows the expected form."""
+    """Parse one target; a malformed one raises ConfigError (a ValueError) that shows the expected form."""
     if not isinstance(text, str):
-        raise ValueError(f"hook target must be a string of the form {TARGET_FORM}, got {text!r}")
+        raise ConfigError(f"hook target must be a string of the form {TARGET_FORM}, got {text!r}")
     module, sep, qualname = text.strip().partition(":")
     if not sep or not _DOTTED.match(module) or not _DOTTED.match(qualname) or qualname.count(".") > 1:
-        raise ValueError(f"malformed hook target {text!r}: expected {TARGET_FORM}")
+        raise ConfigError(f"malformed hook target {text!r}: expected {TARGET_FORM}")
     return Target(module, qualname)
+
+
+def parse_targets(targets: str | Iterable[object]) -> list[Target]:
+    """Targets and preset names (a comma-separated string or a list) -> targets; ConfigError if malformed."""
+    items: list[object] = list(targets.split(",") if isinstance(targets, str) else targets)
+    names = [item.strip() if isinstance(item, str) else item for item in items]
+    names = [n for n in names if n != ""]
+    if not names:
+        raise ConfigError(f"no hook targets given: expected one or more of {TARGET_FORM} or a preset "
+                          f"({', '.join(sorted(presets.PRESETS))})")
+    texts: list[str] = []
+    for name in names:
+        if not isinstance(name, str):
+            parse_target(name)  # raises: says what a target looks like
+        elif ":" not in name and name not in presets.PRESETS:
+            raise ConfigError(f"unknown hook target or preset {name!r}: expected {TARGET_FORM} or one of the "
+                              f"presets {', '.join(sorted(presets.PRESETS))}")
+        else:
+            texts.append(name)
+    return [parse_target(t) for t in presets.expand(texts)]
 
 
 def unwrap(obj: Any) -> Any:
@@ -60,7 +83,8 @@ def unwrap(obj: Any) -> Any:
 
 
 class InstallError(Exception):
-    """A target that cannot be installed; `reason` is a metric label."""
+    """A target that cannot be installed (counted and logged by the session, never raised to the host);
+    `reason` is a metric label."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -201,14 +225,14 @@ class ImportWatcher:
                 pass
 
     def _rebuild(self) -> None:
-        watched = set()
+        watched: set[str] = set()
         for name in self._modules:
             parts = name.split(".")
             watched.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
         self._watched = watched
 
     # importlib protocol
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname not in self._watched or getattr(self._local, "busy", False):
             return None
         self._local.busy = True  # the other finders may import; do not answer for ourselves meanwhile
@@ -224,7 +248,7 @@ class ImportWatcher:
             self._local.busy = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _PatchingLoader(spec.loader, self)
+        spec.loader = _PatchingLoader(spec.loader, self)  # type: ignore[assignment]  # a proxy: duck-typed
         return spec
 
     def module_loaded(self, name: str) -> None:

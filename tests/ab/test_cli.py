@@ -30,7 +30,8 @@ def ladder_with_marker_server(tmp_path: Path) -> tuple[dict, Path]:
 def run_ab(tmp_path: Path, data: dict, *extra: str) -> subprocess.CompletedProcess:
     path = tmp_path / "ladder.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return subprocess.run([sys.executable, "-m", "telemetry", "ab", "run", str(path), "--out", str(tmp_path / "run"), *extra],
+    return subprocess.run([sys.executable, "-m", "telemetry", "ab", "run", str(path), "--out", str(tmp_path / "run"),
+                           *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -69,7 +70,7 @@ def test_report_of_a_directory_without_results_is_a_clear_error(tmp_path):
 
 
 def test_resume_and_overwrite_exclude_each_other(tmp_path):
-    data, marker = ladder_with_marker_server(tmp_path)
+    data, _marker = ladder_with_marker_server(tmp_path)
     result = run_ab(tmp_path, data, "--resume", "--overwrite")
     assert result.returncode == 2 and "exclude each other" in result.stderr
 

@@ -37,9 +37,9 @@ def test_completion_stream_gives_ttft_usage_and_text():
 
     result = stream_request(client_for(handler), "http://x", "tiny", "prompt text", RequestSettings(max_tokens=2))
     assert result.ok and result.error is None
-    assert result.text == " 123456" and result.prompt_tokens == 4000 and result.output_tokens == 2
+    assert result.text == " 123456" and result.usage_prompt_tokens == 4000 and result.output_tokens == 2
     assert result.content_chunks == 2 and result.finish_reason == "length"
-    assert 0 < result.ttft_s <= result.e2e_s
+    assert result.ttft_s is not None and result.e2e_s is not None and 0 < result.ttft_s <= result.e2e_s
     assert seen["stream"] is True and seen["stream_options"] == {"include_usage": True}
     assert seen["prompt"] == "prompt text" and seen["temperature"] == 0.0
 
@@ -55,7 +55,7 @@ def test_chat_api_reads_delta_content():
         ))
 
     result = stream_request(client_for(handler), "http://x", "m", "q", RequestSettings(api="chat"))
-    assert result.ok and result.text == "42" and result.prompt_tokens == 9
+    assert result.ok and result.text == "42" and result.usage_prompt_tokens == 9
 
 
 def test_http_error_is_recorded_with_the_body():
@@ -64,7 +64,7 @@ def test_http_error_is_recorded_with_the_body():
 
     result = stream_request(client_for(handler), "http://x", "m", "p", RequestSettings())
     assert not result.ok and result.status_code == 400
-    assert "HTTP 400" in result.error and "max_model_len" in result.error
+    assert result.error is not None and "HTTP 400" in result.error and "max_model_len" in result.error
 
 
 def test_stream_cut_before_the_end_is_an_error():
@@ -72,7 +72,7 @@ def test_stream_cut_before_the_end_is_an_error():
         return httpx.Response(200, content=sse({"choices": [{"text": "a", "finish_reason": None}]}, done=False))
 
     result = stream_request(client_for(handler), "http://x", "m", "p", RequestSettings())
-    assert not result.ok and "server died mid-request" in result.error
+    assert not result.ok and result.error is not None and "server died mid-request" in result.error
     assert result.text == "a" and result.ttft_s is not None
 
 
@@ -81,5 +81,5 @@ def test_refused_connection_is_a_result_not_an_exception():
         raise httpx.ConnectError("connection refused", request=request)
 
     result = stream_request(client_for(handler), "http://x", "m", "p", RequestSettings())
-    assert not result.ok and result.error.startswith("ConnectError: connection refused")
+    assert not result.ok and result.error is not None and result.error.startswith("ConnectError: connection refused")
     assert result.ended_at >= result.started_at

@@ -40,7 +40,7 @@ def test_exact_token_count_in_at_most_three_calls(count, target):
     counter = Counter(count)
     prompt = build_prompt(target, seed=3, count_tokens=counter)
     assert count(prompt.text) == target
-    assert prompt.token_count == target
+    assert prompt.prompt_tokens == target
     assert prompt.tokenize_calls == counter.calls <= 3
 
 

@@ -85,9 +85,17 @@ def port_free(port: int) -> bool:
     return False
 
 
+def _child_sigint_default() -> None:
+    """In the child: Ctrl-C's default, whatever this test process inherited. A suite started in the
+    background by a shell (`pytest ... &`) runs with SIGINT ignored, and a child would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def harness(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "telemetry", "ab", *args], cwd=ROOT,
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    with open(log, "ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, "-m", "telemetry", "ab", *args], cwd=ROOT,
+                                preexec_fn=_child_sigint_default, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
 
 
 def serve_arm(name: str, model: Path, port: int, hook_port: int | None = None, on_error: str | None = None,
@@ -113,8 +121,9 @@ def node_daemon(tmp_path_factory):
     state = tmp_path_factory.mktemp("daemon-state")
     port = free_port()
     log = state / "daemon.log"
-    proc = subprocess.Popen([sys.executable, "-m", "telemetry", "daemon", "--listen", f"127.0.0.1:{port}",
-                             "--state-dir", str(state)], cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "telemetry", "daemon", "--listen", f"127.0.0.1:{port}",
+                                 "--state-dir", str(state)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/metrics"
 
     def up():
@@ -156,7 +165,10 @@ def test_two_arms_interrupted_twice_then_resumed(tmp_path, tiny_model, node_daem
         # 1. Ctrl-C during arm A, after its first request: exit 130, server stopped, run_end interrupted.
         proc = harness(["run", str(ladder_path), "--out", str(run_dir)], log)
         procs.append(proc)
-        wait_for(lambda: events(run_dir, "request", arm="stock"), 240, "stock's first request", proc, log)
+        # After the request's "after" scrape (its record comes first): a signal between the two would leave
+        # the request without one, which is not what this test is about.
+        wait_for(lambda: events(run_dir, "scrape", arm="stock", phase="after"), 240, "stock's first request", proc,
+                 log)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130, tail(log)
         first_pgid = events(run_dir, "serve_start")[0]["pgid"]
@@ -167,14 +179,16 @@ def test_two_arms_interrupted_twice_then_resumed(tmp_path, tiny_model, node_daem
         assert ("stock", "cold-4k") in done_before
 
         # A finished-or-not run directory is never overwritten by accident.
-        refused = subprocess.run([sys.executable, "-m", "telemetry", "ab", "run", str(ladder_path), "--out", str(run_dir)],
+        refused = subprocess.run([sys.executable, "-m", "telemetry", "ab", "run", str(ladder_path), "--out",
+                                  str(run_dir)],
                                  cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and "already holds a run" in refused.stderr
 
         # 2. Resume, then SIGKILL the harness during arm B: nothing in it runs, its watchdog stops the server.
         proc = harness(["run", str(ladder_path), "--out", str(run_dir), "--resume"], log)
         procs.append(proc)
-        wait_for(lambda: events(run_dir, "request", arm="fixed"), 300, "fixed's first request", proc, log)
+        wait_for(lambda: events(run_dir, "scrape", arm="fixed", phase="after"), 300, "fixed's first request", proc,
+                 log)
         proc.kill()
         proc.wait(timeout=30)
         fixed_pgid = events(run_dir, "serve_start", arm="fixed")[-1]["pgid"]
@@ -202,7 +216,7 @@ def check_complete_run(run_dir: Path, ladder_path: Path, done_mid: list) -> None
     assert keys[:len(done_mid)] == done_mid
     for r in requests:
         assert r["ok"], r
-        assert r["prompt_tokens"] == r["prompt_token_count"] == r["tokens"], r  # exact, by the server's usage
+        assert r["usage_prompt_tokens"] == r["prompt_tokens"] == r["target_tokens"], r  # exact, by the server's usage
         assert r["prompt_tokens_match"] is True
         assert 0 < r["ttft_s"] <= r["e2e_s"]
         assert r["server_ttft_s"] is not None and r["server_ttft_s"] > 0
@@ -210,7 +224,7 @@ def check_complete_run(run_dir: Path, ladder_path: Path, done_mid: list) -> None
         assert r["needle_found"] is None  # check_answer: false
         assert r["prefix_cache_hit_tokens"] == 0, r  # every prefill cold: no prompt shares a cached block
         assert r["node_samples"] >= 1 and r["min_mem_available_bytes"]["local"] > 0
-    by_step = {}
+    by_step: dict[str, set[str]] = {}
     for r in requests:  # both arms got the same prompt for a step
         by_step.setdefault(r["step"], set()).add(r["prompt_sha256"])
     assert all(len(shas) == 1 for shas in by_step.values()) and len({s for v in by_step.values() for s in v}) == 3
@@ -223,7 +237,7 @@ def check_complete_run(run_dir: Path, ladder_path: Path, done_mid: list) -> None
     assert [r["status"] for r in recs if r["event"] == "run_end"] == ["interrupted", "complete"]
     infos = [r for r in recs if r["event"] == "server_info"]
     assert all(i["version"]["version"] for i in infos) and all(i["rank_errors"] == {} for i in infos)
-    run_start = [r for r in recs if r["event"] == "run_start"][0]
+    run_start = next(r for r in recs if r["event"] == "run_start")
     assert run_start["environment"]["memtel_version"] and run_start["ladder_text"] == ladder_path.read_text()
     # Telemetry: the node daemon before the first and after each request, the hook's rank exporter too.
     scrapes = [r for r in recs if r["event"] == "scrape"]
@@ -250,9 +264,10 @@ def check_complete_run(run_dir: Path, ladder_path: Path, done_mid: list) -> None
     assert "Prefix cache: 0 hit tokens in all 6 requests: every prefill was cold." in report
     summary = json.loads((run_dir / "summary.json").read_text())
     assert len(summary["requests"]) == 6 and summary["status"] == "complete"
-    for plot in summary["plots"]:
+    plots = summary["sections"]["plots"]
+    for plot in plots:
         assert (run_dir / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {"plots/mem_available_local.png", "plots/ttft.png", "plots/reserved_rank0.png"} <= set(summary["plots"])
+    assert {"plots/mem_available_local.png", "plots/ttft.png", "plots/reserved_rank0.png"} <= set(plots)
 
 
 def test_server_killed_mid_request(tmp_path, tiny_model, node_daemon):
@@ -274,7 +289,8 @@ def test_server_killed_mid_request(tmp_path, tiny_model, node_daemon):
     try:
         for arm in ("goes-on", "stops"):
             # The long prefill is in flight once the 1 s node sampler has recorded for it.
-            wait_for(lambda: len(events(run_dir, "node_sample", arm=arm, step="long")) >= 2, 300, f"{arm}'s long request", proc, log)
+            wait_for(lambda arm=arm: len(events(run_dir, "node_sample", arm=arm, step="long")) >= 2, 300,
+                     f"{arm}'s long request", proc, log)
             pgid = events(run_dir, "serve_start", arm=arm)[-1]["pgid"]
             os.killpg(pgid, signal.SIGKILL)
             killed.append(pgid)

@@ -11,7 +11,8 @@ import pytest
 
 from telemetry.cli import main
 
-FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "allocator-truth" / "h200-torch2.11-expandable-segments-True.json"
+FIXTURE = (Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "allocator-truth"
+           / "h200-torch2.11-expandable-segments-True.json")
 
 
 def _write(tmp_path: Path, doc) -> Path:
@@ -35,7 +36,8 @@ def test_check_mode_reports_agreement(capsys):
 
 
 def test_check_mode_names_the_first_differing_op(tmp_path, capsys):
-    doc = {"config": "", "cases": {"c": {"ops": [["malloc", 1, 100], ["free", 1]], "after": [[2097152, 512, 1, 0], [0, 0, 1, 0]]}}}
+    rows = [[2097152, 512, 1, 0], [0, 0, 1, 0]]
+    doc = {"config": "", "cases": {"c": {"ops": [["malloc", 1, 100], ["free", 1]], "after": rows}}}
     assert main(["allocsim", "--check", str(_write(tmp_path, doc))]) == 1
     assert "differs at op 1" in capsys.readouterr().out
 
@@ -54,8 +56,10 @@ def test_config_override_and_capacity(tmp_path, capsys):
 @pytest.mark.parametrize(
     "doc, words",
     [
-        ({"config": "", "cases": {"warm": {"ops": [["malloc", 1, 10], ["frob", 1]]}}}, ["case 'warm'", "op 1", "unknown op 'frob'"]),
-        ({"config": "", "cases": {"c": {"ops": [["malloc", 1, 10], ["free", 2]]}}}, ["case 'c'", "op 1", "unknown id 2"]),
+        ({"config": "", "cases": {"warm": {"ops": [["malloc", 1, 10], ["frob", 1]]}}},
+         ["case 'warm'", "op 1", "unknown op 'frob'"]),
+        ({"config": "", "cases": {"c": {"ops": [["malloc", 1, 10], ["free", 2]]}}},
+         ["case 'c'", "op 1", "unknown id 2"]),
         ({"config": "", "cases": {"c": {"ops": [["malloc", 1, 10], ["malloc", 1, 10]]}}}, ["op 1", "still live"]),
         ({"config": "", "cases": {"c": {"ops": [["malloc", 1, -5]]}}}, ["op 0", ">= 0"]),
         ({"config": "", "cases": {"c": {"ops": [["malloc", 1]]}}}, ["op 0", "size_bytes"]),

@@ -61,7 +61,8 @@ def test_ignored_keys_are_accepted_and_change_nothing_the_simulator_models():
         ("expandable_segment:True", ["unrecognized", "expandable_segment"]),
         ("backend:cudaMallocAsync", ["cudaMallocAsync"]),
         ("expandable_segments:True,", ["trailing"]),
-        ("expandable_segments:True max_split_size_mb:30", ["True/False", "Truemax_split_size_mb"]),  # spaces are dropped, as in PyTorch
+        # spaces are dropped, as in PyTorch
+        ("expandable_segments:True max_split_size_mb:30", ["True/False", "Truemax_split_size_mb"]),
     ],
 )
 def test_bad_configs_name_the_problem(text, words):

@@ -122,7 +122,7 @@ def test_expandable_segments_map_pages_and_unmap_on_empty_cache():
 def test_segment_callbacks_balance_for_cudamalloc_segments():
     live: dict[int, int] = {}
     sim = CachingAllocatorSim(
-        on_segment_map=lambda seg, n: live.__setitem__(seg, n), on_segment_unmap=lambda seg, n: live.pop(seg)
+        on_segment_map=lambda seg, n: live.__setitem__(seg, n), on_segment_unmap=lambda seg, n: live.__delitem__(seg)
     )
     hs = [sim.malloc(n * MIB) for n in (1, 5, 50, 500)]
     assert sum(live.values()) == sim.reserved_bytes

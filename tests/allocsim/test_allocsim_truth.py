@@ -123,7 +123,7 @@ def _segment_bases(path: Path) -> list[tuple[str, int, int, int]]:
     doc = _doc(path)
     pointers = json.loads(path.with_name(path.stem + ".addresses.json").read_text())
     driver = _LoggedDriver()
-    out = []
+    out: list[tuple[str, int, int, int]] = []
     for name, case in doc["cases"].items():
         sim = CachingAllocatorSim(doc["config"], address_space=driver)
         live: dict[int, int] = {}

@@ -51,10 +51,10 @@ def test_order_of_frees_does_not_matter_and_everything_comes_back():
     sizes = [2 * MIB, 20 * MIB, 300 * MIB, 64 * MIB, 2 * MIB, 1100 * MIB]
     first = DriverAddressSpace()
     addrs = [first.alloc(s) for s in sizes]
-    for addr, size in reversed(list(zip(addrs, sizes))):
+    for addr, size in reversed(list(zip(addrs, sizes, strict=True))):
         first.release(addr, size)
     second = DriverAddressSpace()
-    for addr, size in zip([second.alloc(s) for s in sizes], sizes):
+    for addr, size in zip([second.alloc(s) for s in sizes], sizes, strict=True):
         second.release(addr, size)
     # Both are back at the start: the same addresses again.
     assert [first.alloc(s) for s in sizes] == addrs == [second.alloc(s) for s in sizes]

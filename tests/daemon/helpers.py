@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.kmsg import write_kmsg  # noqa: F401  (the one writer: opt-in, marked lines)
 from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,31 +35,48 @@ class Scrape:
         self.text = text
         self.samples = parse_metrics(text)
 
-    def value(self, name: str, **labels: str) -> float | None:
+    def value(self, name: str, **labels: str) -> Any:
+        """The sample's value (a float), or None where the series is absent (typed Any for terse asserts)."""
         return self.samples.get((name, tuple(sorted(labels.items()))))
 
     def names(self) -> set[str]:
         return {name for name, _ in self.samples}
 
 
+D = TypeVar("D", bound="Daemon")
+
+
 class Daemon:
     """`python -m telemetry daemon` on a free loopback port; always stopped by the context manager."""
 
     def __init__(self, state_dir: Path, *args: str, port: int | None = None, log_path: Path | None = None,
-                 prefix: tuple[str, ...] = ()) -> None:
+                 prefix: tuple[str, ...] = (), tls_ca: Path | None = None,
+                 auth: tuple[str, str] | None = None, client_cert: tuple[Path, Path] | None = None) -> None:
         self.prefix = prefix  # e.g. setpriv with a reduced capability set
         self.port = port or free_port()
         self.state_dir = state_dir
         self.args = args
         self.log_path = log_path or state_dir.parent / f"daemon-{self.port}-{uuid.uuid4().hex[:6]}.log"
-        self.proc: subprocess.Popen | None = None
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen | None = None
+        # With a web config: the CA that signed the server's certificate, and basic-auth credentials.
+        self.url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
+        verify: ssl.SSLContext | bool = True
+        if tls_ca:
+            verify = ssl.create_default_context(cafile=str(tls_ca))
+            if client_cert:
+                verify.load_cert_chain(*map(str, client_cert))
+        self.http_options: dict = {"verify": verify, "auth": auth}
 
-    def start(self, wait: bool = True) -> Daemon:
-        self._log = open(self.log_path, "ab")
+    @property
+    def proc(self) -> subprocess.Popen:
+        assert self._proc is not None, "the daemon was not started"
+        return self._proc
+
+    def start(self: D, wait: bool = True) -> D:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115  (kept open while the daemon runs; closed by stop())
         cmd = [*self.prefix, sys.executable, "-m", "telemetry", "daemon", "--listen", f"127.0.0.1:{self.port}",
                "--state-dir", str(self.state_dir), *self.args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self._proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
         if wait:
             self.wait_ready()
         return self
@@ -67,7 +87,7 @@ class Daemon:
             if self.proc.poll() is not None:
                 raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/healthz", timeout=1, **self.http_options).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -75,27 +95,30 @@ class Daemon:
         raise AssertionError(f"daemon not ready after {timeout}s:\n{self.log()}")
 
     def scrape(self) -> Scrape:
-        response = httpx.get(self.url + "/metrics", timeout=5)
+        response = httpx.get(self.url + "/metrics", timeout=5, **self.http_options)
         assert response.status_code == 200, response.text
         return Scrape(response.text)
 
     def stop(self) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
+        if self._proc is None:
+            return 0
         try:
-            return self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-            raise AssertionError("daemon did not stop within 10 s of SIGTERM") from None
+            if self.proc.poll() is not None:
+                return self.proc.returncode
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                raise AssertionError("daemon did not stop within 10 s of SIGTERM") from None
         finally:
             self._log.close()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def __enter__(self) -> Daemon:
+    def __enter__(self: D) -> D:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -107,20 +130,7 @@ def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-# -- the real kernel log --------------------------------------------------------------------------------
-def write_kmsg(lines: list[str], pace_every: int = 100, pace_seconds: float = 0.02) -> None:
-    """One open per line: the kernel rate-limits /dev/kmsg writers to 10 lines per 5 s per open file.
-    Paced a little so a reader keeps up with the 128 KiB ring buffer of small machines."""
-    for i, line in enumerate(lines):
-        fd = os.open("/dev/kmsg", os.O_WRONLY)
-        try:
-            os.write(fd, line.encode() + b"\n")
-        finally:
-            os.close(fd)
-        if pace_every and i % pace_every == pace_every - 1:
-            time.sleep(pace_seconds)
-
-
+# -- the real kernel log (written only through tests.support.kmsg) ---------------------------------------
 _RECORD = re.compile(r"^(\d+),(\d+),(\d+),[^;]*;(.*)$")
 
 
@@ -208,3 +218,4 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+

@@ -6,6 +6,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -21,6 +22,13 @@ FIXTURES = Path(__file__).parents[1] / "fixtures"
 PROC = FIXTURES / "proc"
 
 
+def sample(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float:
+    """A sample that must be there (get_sample_value gives None for an absent one)."""
+    value = registry.get_sample_value(name, labels)
+    assert value is not None, f"{name}{labels or ''} is missing"
+    return value
+
+
 def registry_of(**collectors) -> tuple[CollectorRegistry, DaemonCollectors]:
     wrapper = DaemonCollectors(collectors)
     registry = CollectorRegistry(auto_describe=False)
@@ -30,12 +38,12 @@ def registry_of(**collectors) -> tuple[CollectorRegistry, DaemonCollectors]:
 
 def test_meminfo_on_the_real_fixture():
     registry, _ = registry_of(meminfo=MeminfoCollector(str(PROC / "meminfo.x86_64-debian12-24g")))
-    total = registry.get_sample_value("memtel_node_mem_total_bytes")
-    available = registry.get_sample_value("memtel_node_mem_available_bytes")
+    total = sample(registry, "memtel_node_mem_total_bytes")
+    available = sample(registry, "memtel_node_mem_available_bytes")
     assert total > 20 * 2**30 and 0 < available <= total
-    swap_total = registry.get_sample_value("memtel_node_swap_total_bytes")
+    swap_total = sample(registry, "memtel_node_swap_total_bytes")
     assert registry.get_sample_value("memtel_node_swap_used_bytes") == (
-        swap_total - registry.get_sample_value("memtel_node_swap_free_bytes"))
+        swap_total - sample(registry, "memtel_node_swap_free_bytes"))
     assert registry.get_sample_value("memtel_node_hugepage_size_bytes") == 2 * 2**20
     assert registry.get_sample_value("memtel_node_hugepages_configured_pages") == 0
     assert registry.get_sample_value("memtel_collector_success", {"collector": "meminfo"}) == 1
@@ -80,17 +88,18 @@ def test_a_raising_collector_is_reported_and_never_breaks_the_scrape(tmp_path, c
     assert registry.get_sample_value("memtel_collector_success", {"collector": "vmstat"}) == 1
     assert registry.get_sample_value("memtel_node_vmstat_pswpin_total") is not None
     assert registry.get_sample_value("memtel_node_pressure_memory_some_seconds_total") is None  # omitted, not 0
-    assert registry.get_sample_value("memtel_collector_duration_seconds", {"collector": "vmstat"}) >= 0
-    assert registry.get_sample_value("memtel_collector_failures_total", {"collector": "exploding"}) >= 3
+    assert sample(registry, "memtel_collector_duration_seconds", {"collector": "vmstat"}) >= 0
+    assert sample(registry, "memtel_collector_failures_total", {"collector": "exploding"}) >= 3
     assert sum("boom" in r.getMessage() for r in caplog.records) == 1  # the same error is logged once
-    assert wrapper.health()["collectors"]["exploding"]["success"] is False
+    health: Any = wrapper.health()
+    assert health["collectors"]["exploding"]["success"] is False
 
 
 def test_self_health_series():
     registry, _ = registry_of()
-    first = registry.get_sample_value("memtel_exporter_scrapes_total")
-    assert registry.get_sample_value("memtel_exporter_scrapes_total") == first + 1
-    assert registry.get_sample_value("memtel_exporter_start_time_seconds") <= time.time()
+    first = sample(registry, "memtel_exporter_scrapes_total")
+    assert sample(registry, "memtel_exporter_scrapes_total") == first + 1
+    assert sample(registry, "memtel_exporter_start_time_seconds") <= time.time()
     samples = [s for m in registry.collect() for s in m.samples if s.name == "memtel_exporter_build_info"]
     assert samples and samples[0].labels["version"]
 
@@ -103,7 +112,7 @@ NVML_FIXTURES = sorted((FIXTURES / "nvml").glob("*__*__*.json"))
 def test_nvml_snapshot_fixture_renders(fixture):
     snapshot = NvmlSnapshot.from_dict(json.loads(fixture.read_text()))
     families = {m.name: m for m in nvml_families(snapshot, max_processes=2)}
-    platform, model, driver = fixture.stem.split("__")
+    _platform, _model, driver = fixture.stem.split("__")
     assert snapshot.driver_version == driver
     for gpu in snapshot.gpus:
         ids = {"gpu": str(gpu.index), "uuid": gpu.uuid}
@@ -174,7 +183,8 @@ def test_processes_match_roles_by_command_line_and_are_bounded():
         deadline = time.monotonic() + 10
         while True:
             families = {m.name: m for m in collector.collect()}
-            count = [s.value for s in families["memtel_process_role_processes"].samples if s.labels["role"] == "engine_core"]
+            count = [s.value for s in families["memtel_process_role_processes"].samples
+                     if s.labels["role"] == "engine_core"]
             rss = [s.value for s in families["memtel_process_resident_bytes"].samples]
             if (count == [3] and rss and min(rss) > 25_000_000) or time.monotonic() > deadline:
                 break
@@ -185,8 +195,8 @@ def test_processes_match_roles_by_command_line_and_are_bounded():
         assert len(per_process) == 2  # bounded by max_per_role
         assert {s.labels["pid"] for s in per_process} <= {str(c.pid) for c in children}
         assert all(s.value > 25_000_000 for s in per_process)  # the 30 MB bytearray is resident
-        total = [s.value for s in families["memtel_process_role_resident_bytes"].samples
-                 if s.labels["role"] == "engine_core"][0]
+        total = next(s.value for s in families["memtel_process_role_resident_bytes"].samples
+                     if s.labels["role"] == "engine_core")
         assert total >= sum(s.value for s in per_process)
         workers = [s.value for s in families["memtel_process_role_processes"].samples if s.labels["role"] == "worker"]
         assert workers == [0]  # every role is present, 0 when nothing runs

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
-from tests.daemon.helpers import Daemon, KmsgTap, Scrape, between, wait_for, write_kmsg
+from tests.daemon.helpers import Daemon, KmsgTap, Scrape, between, wait_for
+from tests.support.kmsg import DAEMON_COUNTS_TEST_LINES, write_kmsg
 
 pytestmark = pytest.mark.kmsg
 
@@ -45,7 +48,8 @@ class KmsgDaemon(Daemon):
         self.instance = uuid.uuid4().hex[:10]
         self.token = token
         self.syncs = 0
-        super().__init__(state_dir, "--kmsg-pattern", f"sync_{self.instance}=memtel-sync-{self.instance} ",
+        super().__init__(state_dir, *DAEMON_COUNTS_TEST_LINES,
+                         "--kmsg-pattern", f"sync_{self.instance}=memtel-sync-{self.instance} ",
                          "--kmsg-pattern", f"mine={token}", *args)
 
     def sync(self) -> tuple[Scrape, str]:
@@ -145,7 +149,8 @@ def test_burst_of_1000_lines_counts_exactly_and_is_one_event(tmp_path):
         assert got[KEYS[9]] == 1000 and got[KEYS[10]] == 1
         assert got[KEYS[11]] == 0  # the reader kept up with the 128 KiB ring buffer
         # Every record between the markers was read exactly once (foreign ones included).
-        records_delta = value(after, "memtel_kernel_kmsg_records_total") - value(before, "memtel_kernel_kmsg_records_total")
+        records_delta = (value(after, "memtel_kernel_kmsg_records_total")
+                         - value(before, "memtel_kernel_kmsg_records_total"))
         assert records_delta == seq_end - seq_start
 
 
@@ -166,11 +171,11 @@ def test_restart_counts_nothing_twice_and_counts_lines_logged_while_down(tmp_pat
         if not foreign_driver_lines(tap, start, end, tok):
             break
         state_files = list(state.iterdir())
-        for path in state_files:
-            path.unlink()
+        for path in state_files:  # the kmsg state, and the flight recorder's directory
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     else:
         pytest.fail("foreign driver lines interleaved with ours")
-    assert saved["boot_id"] == open("/proc/sys/kernel/random/boot_id").read().strip()
+    assert saved["boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     assert saved["last_seq"] is not None
     assert "resuming kernel-log counts" in second.log()
     assert value(counted, "memtel_kernel_pattern_matches_total", pattern="mine") == 5
@@ -193,7 +198,8 @@ def test_corrupt_or_deleted_state_recovers_with_a_clear_log_line(tmp_path):
         assert deltas(before, after, KEYS[:1])[KEYS[0]] == 4
     log = second.log()
     assert f"kmsg state file {state_file} is corrupt" in log and "moved it to" in log
-    assert (state / "kmsg-state.json.corrupt").read_text().startswith('{"version": 1, "boot_id": "trunc')
+    (aside,) = state.glob("kmsg-state.json.corrupt-*")
+    assert aside.read_text().startswith('{"version": 1, "boot_id": "trunc')
     assert json.loads(state_file.read_text())["version"] == 1  # a good state was written again
 
     state_file.unlink()
@@ -217,7 +223,8 @@ def test_ring_buffer_overrun_is_counted_as_missed_and_reading_goes_on(tmp_path):
             os.kill(daemon.proc.pid, signal.SIGCONT)
         after, end = daemon.sync()
     seq_start, seq_end = tap.seq_of(start), tap.seq_of(end)
-    missed = value(after, "memtel_kernel_kmsg_missed_records_total") - value(before, "memtel_kernel_kmsg_missed_records_total")
+    missed = (value(after, "memtel_kernel_kmsg_missed_records_total")
+              - value(before, "memtel_kernel_kmsg_missed_records_total"))
     records = value(after, "memtel_kernel_kmsg_records_total") - value(before, "memtel_kernel_kmsg_records_total")
     assert missed > 0
     assert records + missed == seq_end - seq_start

@@ -19,10 +19,12 @@ from tests.daemon.helpers import Daemon, wait_for
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 GOLDEN = FIXTURES / "daemon" / "metrics.x86_64-debian12-24g__dgx-spark-kmsg.prom"
-# Values that differ on every run: times, durations, counts of scrapes, the Python and memtel versions.
+# Values that differ on every run: times, durations, counts of scrapes and connections, the process's own
+# figures (process_*), the Python and memtel versions.
 _VOLATILE = re.compile(
     r"^(memtel_collector_duration_seconds|memtel_exporter_start_time_seconds|memtel_exporter_scrapes_total|"
-    r"memtel_\w+_last_seen_timestamp_seconds)(\{[^}]*\})? .*$"
+    r"memtel_\w+_last_seen_timestamp_seconds|memtel_exporter_http_\w+|process_\w+|"
+    r"memtel_flight_last_\w+|memtel_flight_records_written_total)(\{[^}]*\})? .*$"
 )
 
 
@@ -42,6 +44,7 @@ def _fixture_daemon(tmp_path: Path) -> Daemon:
     shutil.copy(FIXTURES / "proc" / "meminfo.x86_64-debian12-24g", proc / "meminfo")
     shutil.copy(FIXTURES / "proc" / "vmstat.x86_64-debian12-24g", proc / "vmstat")
     shutil.copy(FIXTURES / "proc" / "pressure-memory.x86_64-debian12-24g", proc / "pressure" / "memory")
+    shutil.copy(FIXTURES / "proc" / "buddyinfo.x86_64-debian12-24g", proc / "buddyinfo")
     (proc / "sys/kernel/random/boot_id").write_text("golden-boot\n")
     return Daemon(tmp_path / "state", "--proc-root", str(proc),
                   "--kmsg", str(FIXTURES / "kmsg" / "dgx-spark__gb10__580.142.kmsg"),
@@ -52,6 +55,7 @@ def _fixture_daemon(tmp_path: Path) -> Daemon:
 def test_metrics_match_the_golden_file(tmp_path):
     with _fixture_daemon(tmp_path) as daemon:
         wait_for(lambda: daemon.scrape().value("memtel_kernel_kmsg_records_total") == 31, what="fixture read")
+        wait_for(lambda: daemon.scrape().value("memtel_flight_recording") == 1, what="a flight record")
         text = daemon.scrape().text
     got = _normalise(text)
     if os.environ.get("MEMTEL_UPDATE_GOLDEN"):

@@ -62,7 +62,7 @@ def test_corrupt_state_is_moved_aside_with_a_clear_message(tmp_path):
         result = load_state(path, "b", "s")
         assert result.snapshot is None and result.problem
         assert "is corrupt" in result.message and "moved it to" in result.message
-        assert not path.exists() and (tmp_path / (STATE_FILE_NAME + ".corrupt")).exists()
+        assert not path.exists() and list(tmp_path.glob(STATE_FILE_NAME + ".corrupt-*"))
     missing = load_state(path, "b", "s")
     assert missing.snapshot is None and not missing.problem and "no kmsg state file" in missing.message
 
@@ -107,7 +107,8 @@ def test_follower_on_a_file_counts_the_unified_memory_fixture_and_follows_append
 
 def test_follower_restart_skips_seen_records_and_counts_gaps_as_missed(tmp_path):
     log_file = tmp_path / "kern.kmsg"
-    log_file.write_text("4,10,1000,-;NVRM: Xid (PCI:0000:01:00): 13, x\n4,11,2000,-;NVRM: Xid (PCI:0000:01:00): 13, x\n")
+    log_file.write_text("4,10,1000,-;NVRM: Xid (PCI:0000:01:00): 13, x\n"
+                        "4,11,2000,-;NVRM: Xid (PCI:0000:01:00): 13, x\n")
     state = tmp_path / STATE_FILE_NAME
     first = _follow(log_file, state)
     _wait_records(first, 2)
@@ -185,7 +186,8 @@ def test_plain_text_file_resumes_at_its_offset_and_follows_truncation(tmp_path):
     # Lines without the kmsg header (e.g. a journalctl -k export) carry no sequence number: a restart must
     # resume at the saved byte offset rather than count the file again.
     log_file = tmp_path / "kern.log"
-    line = "Nov 29 10:00:00 node kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=1, name=python3, GPU has fallen off the bus.\n"
+    line = ("Nov 29 10:00:00 node kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=1, name=python3, "
+            "GPU has fallen off the bus.\n")
     log_file.write_text(line * 2)
     state = tmp_path / STATE_FILE_NAME
     first = _follow(log_file, state)

@@ -1,57 +1,71 @@
-"""The live stack of test_live_prometheus.py: node daemon, hook process and Prometheus, all real.
+"""Live stacks for the dashboard tests: real daemons, hook processes, lab servers, Prometheus, Alertmanager.
 
-Everything listens on 127.0.0.1 on free ports; every process runs in its own process group and
-is stopped (TERM, then KILL) when the stack closes. Prometheus gets the shipped
-configs/prometheus/prometheus.yml with its jobs, relabelling and rule files, and only the targets,
-intervals and paths changed: scrape and evaluation every second, the daemon as a static target,
-the hook exporter through a file_sd targets file (the fleet path).
+`TwoNodeStack` is a DGX Spark pair on one machine, addressed by IP: two "nodes" on the loopback
+addresses 127.0.0.2 and 127.0.0.3, each with a real `memtel daemon`, one hook exporter (one rank,
+as on a Spark) and a vLLM-shaped `/metrics` (`memtel lab serve`, which serves vLLM 0.32's metric
+names), all on the same ports of both addresses, as on real nodes. Prometheus runs the shipped
+configs/prometheus/prometheus.yml with its jobs, relabelling, rule files and targets-file layout;
+only the rule file paths (absolute), the evaluation interval (1 s) and the Alertmanager address
+change. Alertmanager runs the shipped configs/alertmanager/alertmanager.yml with the webhook URL
+pointed at a receiver in the test process.
+
+What the nodes see is fixed, so that "no alert at rest" is a property of the configuration and not
+of the shared machine the tests run on: each daemon reads a view of /proc whose memory files
+(meminfo, vmstat, buddyinfo, pressure) are real captures of this VM (tests/fixtures/proc) and whose
+other entries are the real /proc (processes, stat), and follows its own kernel-log file instead of
+/dev/kmsg, which the tests append kernel lines to. Nothing is written into the machine's kernel log.
+
+Everything listens on loopback, every process runs in its own process group and is stopped (TERM,
+then KILL) when the stack closes.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
 
 from tests.dashboards.promql import ROOT, RULE_FILES
 from tests.support.ports import free_port
+from tests.support.prom import metric
 
-SHIPPED_CONFIG = ROOT / "configs" / "prometheus" / "prometheus.yml"
-HOOK_MARKER = "memtel-live-hook-process"
-KMSG = "/dev/kmsg"
+SHIPPED_PROMETHEUS = ROOT / "configs" / "prometheus" / "prometheus.yml"
+SHIPPED_ALERTMANAGER = ROOT / "configs" / "alertmanager" / "alertmanager.yml"
+FIXTURES = ROOT / "tests" / "fixtures" / "proc"
+# Real captures of the CI VM: MemAvailable 23.0 GiB, 6.0 GiB free in blocks of 2 MiB or more.
+PROC_FIXTURES = {
+    "meminfo": FIXTURES / "meminfo.x86_64-debian12-24g-with-buddyinfo",
+    "buddyinfo": FIXTURES / "buddyinfo.x86_64-debian12-24g",
+    "vmstat": FIXTURES / "vmstat.x86_64-debian12-24g",
+    "pressure/memory": FIXTURES / "pressure-memory.x86_64-debian12-24g",
+}
+RUNBOOK_BASE = "https://runbooks.example.test/memtel/runbook.md"
 
 
-def need_prometheus() -> str:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        raise RuntimeError("the `prometheus` binary is missing: install Debian's prometheus package "
+def need(binary: str, package: str) -> str:
+    path = shutil.which(binary)
+    if path is None:
+        raise RuntimeError(f"the `{binary}` binary is missing: install Debian's {package} package "
                            "(scripts/test does: `source scripts/lib/setup.sh && ensure_system_packages`, as root)")
-    return binary
+    return path
 
 
-def write_kmsg(line: str) -> None:
-    """Append one record to the kernel log, as a driver would; needs root (CAP_SYSLOG)."""
-    try:
-        fd = os.open(KMSG, os.O_WRONLY)
-    except PermissionError as exc:
-        raise RuntimeError(f"cannot write {KMSG}: {exc.strerror}; the kmsg tests need root") from exc
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
-
-
-def wait_until(what: str, check: Callable[[], object], timeout: float, interval: float = 0.5):
+def wait_until(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
     """Poll `check` until it returns a truthy value; raise TimeoutError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout
     last_error: BaseException | None = None
@@ -60,11 +74,26 @@ def wait_until(what: str, check: Callable[[], object], timeout: float, interval:
             value = check()
             if value:
                 return value
-        except (httpx.HTTPError, OSError, ValueError) as exc:
+        except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
             last_error = exc
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s" + (f" (last error: {last_error})" if last_error else ""))
+            why = f" (last error: {last_error})" if last_error else ""
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s{why}")
         time.sleep(interval)
+
+
+def free_port_on(hosts: tuple[str, ...], attempts: int = 100) -> int:
+    """A port that can be bound now on every one of `hosts` (one port for the same service on each node)."""
+    for _ in range(attempts):
+        port = free_port(hosts[0])
+        try:
+            for host in hosts[1:]:
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind((host, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no port free on all of {hosts}")
 
 
 @dataclass
@@ -82,6 +111,14 @@ class Process:
     def check_running(self) -> None:
         if self.popen.poll() is not None:
             raise RuntimeError(f"{self.name} exited with status {self.popen.returncode}:\n{self.log_tail()}")
+
+    def running_and(self, ready: Callable[[], Any]) -> Any:
+        """`ready()`, after making sure the process still runs (a dead one raises instead of a timeout)."""
+        self.check_running()
+        return ready()
+
+    def signal(self, signum: int) -> None:
+        self.popen.send_signal(signum)
 
     def stop(self) -> None:
         if self.popen.poll() is None:
@@ -104,86 +141,101 @@ def start(name: str, argv: list[str], log_dir: Path, env: dict | None = None) ->
     return Process(name, popen, log_path)
 
 
-def prometheus_config(daemon_target: str, hook_targets_file: Path, node: str) -> dict:
-    """The shipped config with test targets, 1 s intervals and absolute rule file paths."""
-    config = yaml.safe_load(SHIPPED_CONFIG.read_text())
-    config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
-    config["rule_files"] = [str(path) for path in RULE_FILES]
-    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    daemon, hook_fleet = jobs["memtel-daemon"], jobs["memtel-hook-fleet"]
-    daemon["static_configs"] = [{"targets": [daemon_target], "labels": {"node": node}}]
-    hook_fleet["file_sd_configs"] = [{"files": [str(hook_targets_file)], "refresh_interval": "1s"}]
-    config["scrape_configs"] = [daemon, hook_fleet]
-    return config
+def child_env() -> dict[str, str]:
+    """The caller's environment without MEMTEL_* settings, with the repository importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMTEL_")}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return env
 
 
-@dataclass
-class LiveStack:
-    tmp: Path
-    node: str = field(default_factory=socket.gethostname)
-    processes: list = field(default_factory=list)
-    prometheus_url: str = ""
-    daemon_port: int = 0
-    hook_port: int = 0
-    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10.0))
+BOOT_ID = "sys/kernel/random/boot_id"
 
-    def start(self) -> LiveStack:
-        prometheus = need_prometheus()
-        # The hook process is rank 0 of its own; no MEMTEL_* setting of the caller leaks into it.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MEMTEL_")}
-        env.update(PYTHONPATH=str(ROOT), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        self.daemon_port, self.hook_port = free_port(), free_port()
 
-        daemon_config = self.tmp / "daemon.yaml"
-        daemon_config.write_text(yaml.safe_dump({"processes": {"roles": [{"role": "worker", "cmdline": HOOK_MARKER}]}}))
-        self.daemon = start("daemon", [sys.executable, "-m", "telemetry", "daemon", "--config", str(daemon_config),
-                                       "--listen", f"127.0.0.1:{self.daemon_port}",
-                                       "--state-dir", str(self.tmp / "daemon-state")], self.tmp, env)
-        self.processes.append(self.daemon)
-        self.hook = start("hook", [sys.executable, "-m", "tests.dashboards.live_hook_process",
-                                   "--port", str(self.hook_port), "--seconds", "600", "--marker", HOOK_MARKER],
-                          self.tmp, env)
-        self.processes.append(self.hook)
-        for process, port in ((self.daemon, self.daemon_port), (self.hook, self.hook_port)):
-            wait_until(f"{process.name} /metrics on 127.0.0.1:{port}",
-                       lambda p=process, port=port: p.check_running() or self._metrics_up(port), timeout=60)
+def proc_view(dest: Path, boot_id: str) -> Path:
+    """A /proc for a daemon: the memory files are the real captures in PROC_FIXTURES, the boot id is
+    `boot_id` (so a test can "reboot" a node), everything else links to the real /proc."""
+    dest.mkdir(parents=True)
+    for entry in os.listdir("/proc"):
+        if entry not in ("meminfo", "buddyinfo", "vmstat", "pressure", "sys"):
+            (dest / entry).symlink_to(Path("/proc") / entry)
+    for name, source in PROC_FIXTURES.items():
+        target = dest / name
+        target.parent.mkdir(exist_ok=True)
+        shutil.copyfile(source, target)
+    set_boot_id(dest, boot_id)
+    return dest
 
-        hook_targets = self.tmp / "targets" / "hook-live.yml"
-        hook_targets.parent.mkdir()
-        hook_targets.write_text(yaml.safe_dump([{"targets": [f"127.0.0.1:{self.hook_port}"],
-                                                 "labels": {"node": self.node}}]))
-        config_path = self.tmp / "prometheus.yml"
-        config_path.write_text(yaml.safe_dump(prometheus_config(f"127.0.0.1:{self.daemon_port}", hook_targets,
-                                                                self.node), sort_keys=False))
-        port = free_port()
-        self.prometheus_url = f"http://127.0.0.1:{port}"
-        self.prometheus = start("prometheus", [prometheus, f"--config.file={config_path}",
-                                               f"--storage.tsdb.path={self.tmp / 'tsdb'}",
-                                               f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                                self.tmp)
-        self.processes.append(self.prometheus)
-        wait_until("Prometheus ready", lambda: self.prometheus.check_running() or
-                   self.client.get(f"{self.prometheus_url}/-/ready").status_code == 200, timeout=60)
-        return self
 
-    def _metrics_up(self, port: int) -> bool:
-        return self.client.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
+def set_boot_id(proc: Path, boot_id: str) -> None:
+    path = proc / BOOT_ID
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(boot_id + "\n")
 
-    def check_running(self) -> None:
-        for process in self.processes:
-            process.check_running()
+
+class KernelLog:
+    """A node's kernel log: a file its daemon follows (`--kmsg FILE`), plain text lines as a driver logs them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.touch()
+
+    def write(self, line: str) -> None:
+        with open(self.path, "a") as log:
+            log.write(line.rstrip("\n") + "\n")
+
+
+class WebhookReceiver:
+    """Alertmanager's webhook receiver: a tiny HTTP server in the test process that keeps every POST body."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                with receiver.lock:
+                    receiver.bodies.append(body)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/memtel-alerts"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+        self.thread.start()
+
+    def notifications(self) -> list[dict]:
+        with self.lock:
+            return list(self.bodies)
+
+    def alerts(self, name: str | None = None, status: str | None = None) -> list[dict]:
+        """Every alert of every notification received so far (with its notification's `receiver`)."""
+        found = []
+        for body in self.notifications():
+            for alert in body.get("alerts", []):
+                if name is not None and alert["labels"].get("alertname") != name:
+                    continue
+                if status is None or alert["status"] == status:
+                    found.append(dict(alert, receiver=body.get("receiver")))
+        return found
 
     def stop(self) -> None:
-        for process in reversed(self.processes):
-            process.stop()
-        self.client.close()
+        self.server.shutdown()
+        self.server.server_close()
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name} ---\n{p.log_tail()}" for p in self.processes)
 
-    # Prometheus HTTP API
-    def api(self, path: str, **params) -> object:
-        response = self.client.get(f"{self.prometheus_url}/api/v1/{path}", params=params)
+class PrometheusApi:
+    def __init__(self, url: str, client: httpx.Client) -> None:
+        self.url = url
+        self.client = client
+
+    def api(self, path: str, **params: Any) -> Any:
+        response = self.client.get(f"{self.url}/api/v1/{path}", params=params)
         body = response.json()
         if body.get("status") != "success":
             raise ValueError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
@@ -199,9 +251,197 @@ class LiveStack:
     def label_values(self, label: str, match: str) -> list[str]:
         return self.api(f"label/{label}/values", **{"match[]": match})
 
-    def alerts(self, name: str | None = None) -> list[dict]:
+    def alerts(self, name: str | None = None, states: tuple[str, ...] = ("pending", "firing")) -> list[dict]:
         alerts = self.api("alerts")["alerts"]
-        return [a for a in alerts if name is None or a["labels"].get("alertname") == name]
+        return [a for a in alerts if (name is None or a["labels"].get("alertname") == name) and a["state"] in states]
 
-    def targets_up(self) -> dict[str, str]:
-        return {t["labels"]["job"]: t["health"] for t in self.api("targets")["activeTargets"]}
+    def targets(self) -> list[dict]:
+        return self.api("targets", state="active")["activeTargets"]
+
+    def rule_groups(self) -> list[dict]:
+        return self.api("rules")["groups"]
+
+
+def prometheus_config(config_dir: Path, rule_files: list[Path], alertmanager: str | None,
+                      evaluation_interval: str = "1s") -> Path:
+    """The shipped prometheus.yml in `config_dir` (whose targets/ the test fills) with absolute rule paths."""
+    config = yaml.safe_load(SHIPPED_PROMETHEUS.read_text())
+    config["global"]["evaluation_interval"] = evaluation_interval
+    config["global"]["external_labels"]["runbook_base"] = RUNBOOK_BASE
+    config["rule_files"] = [str(path) for path in rule_files]
+    if alertmanager is None:
+        config.pop("alerting", None)
+    else:
+        config["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [alertmanager]}]
+    path = config_dir / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def start_prometheus(tmp: Path, config_path: Path, client: httpx.Client) -> tuple[Process, PrometheusApi]:
+    port = free_port()
+    process = start("prometheus", [need("prometheus", "prometheus"), f"--config.file={config_path}",
+                                   f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
+                                   "--log.level=warn"], tmp)
+    api = PrometheusApi(f"http://127.0.0.1:{port}", client)
+    wait_until("Prometheus ready", lambda: process.running_and(
+        lambda: client.get(f"{api.url}/-/ready").status_code == 200), timeout=60)
+    return process, api
+
+
+def alertmanager_config(webhook_url: str) -> dict:
+    """The shipped alertmanager.yml with every webhook pointed at `webhook_url`."""
+    config = yaml.safe_load(SHIPPED_ALERTMANAGER.read_text())
+    for receiver in config["receivers"]:
+        for webhook in receiver.get("webhook_configs", []):
+            webhook["url"] = webhook_url
+    return config
+
+
+def start_alertmanager(tmp: Path, webhook_url: str, client: httpx.Client) -> tuple[Process, str]:
+    config_path = tmp / "alertmanager.yml"
+    config_path.write_text(yaml.safe_dump(alertmanager_config(webhook_url), sort_keys=False))
+    port = free_port()
+    # --cluster.listen-address= (empty): no gossip port on 0.0.0.0:9094, one Alertmanager alone.
+    process = start("alertmanager", [need("prometheus-alertmanager", "prometheus-alertmanager"),
+                                     f"--config.file={config_path}", f"--storage.path={tmp / 'am-data'}",
+                                     f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
+                                     "--log.level=warn"], tmp)
+    url = f"http://127.0.0.1:{port}"
+    wait_until("Alertmanager ready", lambda: process.running_and(
+        lambda: client.get(f"{url}/-/ready").status_code == 200), timeout=60)
+    return process, url
+
+
+@dataclass
+class LiveNode:
+    ip: str
+    label: str | None   # the `node` label its targets files give; None: derived from the address
+    marker: str         # on the hook process's command line, for the daemon's process roles
+    previous_boot: bool = False  # its daemon first records a few seconds under another boot id
+
+    @property
+    def node(self) -> str:
+        """The `node` label its series must carry: the targets file's, else the whole IP."""
+        return self.label or self.ip
+
+
+@dataclass
+class TwoNodeStack:
+    tmp: Path
+    nodes: tuple[LiveNode, ...] = (
+        LiveNode("127.0.0.2", "spark-a", "memtel-live-hook-spark-a", previous_boot=True),
+        LiveNode("127.0.0.3", None, "memtel-live-hook-node-b"),
+    )
+    processes: list[Process] = field(default_factory=list)
+    kernel_logs: dict[str, KernelLog] = field(default_factory=dict)
+    hooks: dict[str, Process] = field(default_factory=dict)
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10.0))
+    webhook: WebhookReceiver | None = None
+    alertmanager_url: str = ""
+    # What the test saw at rest, before any event (test_live_prometheus.py fills them).
+    rest_targets: list[dict] = field(default_factory=list)
+    rest_alerts: list[dict] = field(default_factory=list)
+    rest_webhook: list[dict] = field(default_factory=list)
+
+    def start(self) -> TwoNodeStack:
+        need("prometheus", "prometheus")
+        need("prometheus-alertmanager", "prometheus-alertmanager")
+        env = child_env()
+        ips = tuple(n.ip for n in self.nodes)
+        self.daemon_port, self.hook_port, self.vllm_port = (free_port_on(ips) for _ in range(3))
+        for node in self.nodes:
+            self._start_node(node, env)
+        for node in self.nodes:
+            for what, port in (("daemon", self.daemon_port), ("hook", self.hook_port), ("vllm", self.vllm_port)):
+                url = f"http://{node.ip}:{port}/metrics"
+                wait_until(f"{what} of {node.ip}: {url}", functools.partial(self._serving, url), timeout=90)
+
+        self.webhook = WebhookReceiver()
+        am, self.alertmanager_url = start_alertmanager(self.tmp, self.webhook.url, self.client)
+        self.processes.append(am)
+        config_dir = self.tmp / "prometheus"
+        (config_dir / "targets").mkdir(parents=True)
+        self._write_targets(config_dir / "targets")
+        config = prometheus_config(config_dir, RULE_FILES, self.alertmanager_url.removeprefix("http://"))
+        prometheus, self.prometheus = start_prometheus(self.tmp, config, self.client)
+        self.processes.append(prometheus)
+        return self
+
+    def _start_node(self, node: LiveNode, env: dict[str, str]) -> None:
+        home = self.tmp / node.ip
+        home.mkdir()
+        self.kernel_logs[node.ip] = KernelLog(home / "kmsg")
+        # The hook first: the daemon's /proc view lists the processes alive when it is made.
+        hook = start(f"hook-{node.ip}", [sys.executable, "-m", "tests.dashboards.live_hook_process",
+                                         "--port", str(self.hook_port), "--addr", node.ip, "--seconds", "900",
+                                         "--marker", node.marker, "--log-dir", str(home / "hook-log")],
+                     self.tmp, dict(env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"))
+        self.hooks[node.ip] = hook
+        self.processes.append(hook)
+        vllm = start(f"vllm-{node.ip}", [sys.executable, "-m", "telemetry", "lab", "serve", "--arm", "stock",
+                                         "--ranks", "1", "--allocator", "sim", "--no-unified-memory", "--no-hook",
+                                         "--host", node.ip, "--port", str(self.vllm_port),
+                                         "--model-name", "lab-stock", "--log-level", "WARNING"], self.tmp, env)
+        self.processes.append(vllm)
+        daemon_config = home / "daemon.yaml"
+        daemon_config.write_text(yaml.safe_dump({"processes": {"roles": [{"role": "worker", "cmdline": node.marker}]}}))
+        wait_until(f"hook process of {node.ip} running", lambda: hook.running_and(lambda: hook.popen.pid), timeout=10)
+        proc = proc_view(home / "proc", "5e1f0000-0000-4000-8000-00000000b001")
+        argv = [sys.executable, "-m", "telemetry", "daemon", "--config", str(daemon_config),
+                "--listen", f"{node.ip}:{self.daemon_port}", "--kmsg", str(self.kernel_logs[node.ip].path),
+                "--proc-root", str(proc), "--disable-collector", "nvml",  # no NVIDIA driver here
+                "--state-dir", str(home / "daemon-state")]
+        if node.previous_boot:
+            # A boot that ended: the flight recorder writes a few records, the daemon stops, the boot id changes.
+            before = start(f"daemon-{node.ip}-previous-boot", argv, self.tmp, env)
+            try:
+                url = f"http://{node.ip}:{self.daemon_port}/metrics"
+                wait_until(f"flight records of {node.ip}'s previous boot", lambda: before.running_and(
+                    lambda: (metric(url, "memtel_flight_records_written_total") or 0) >= 3), timeout=60)
+            finally:
+                before.stop()
+            set_boot_id(proc, "5e1f0000-0000-4000-8000-00000000b002")
+        self.processes.append(start(f"daemon-{node.ip}", argv, self.tmp, env))
+
+    def _write_targets(self, targets: Path) -> None:
+        """One targets file per job, as configs/prometheus/targets/*.yml.example lay them out."""
+        for job, port in (("daemon", self.daemon_port), ("hook", self.hook_port), ("vllm", self.vllm_port)):
+            groups = []
+            for node in self.nodes:
+                group: dict[str, Any] = {"targets": [f"{node.ip}:{port}"]}
+                if node.label:
+                    group["labels"] = {"node": node.label}
+                groups.append(group)
+            (targets / f"{job}.yml").write_text(yaml.safe_dump(groups))
+
+    def check_running(self) -> None:
+        for process in self.processes:
+            process.check_running()
+
+    def _serving(self, url: str) -> bool:
+        self.check_running()
+        return self.client.get(url).status_code == 200
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        if self.webhook is not None:
+            self.webhook.stop()
+        self.client.close()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name} ---\n{p.log_tail()}" for p in self.processes)
+
+    def start_growing(self) -> None:
+        """Every hook process leaves rest: growing logits, failing reads, a target that cannot be installed."""
+        for hook in self.hooks.values():
+            hook.signal(signal.SIGUSR1)
+
+    def prefill(self, node: LiveNode, words: int) -> dict:
+        """One completion request of `words` prompt tokens to the node's vLLM-shaped server."""
+        response = self.client.post(f"http://{node.ip}:{self.vllm_port}/v1/completions",
+                                    json={"model": "lab-stock", "prompt": " ".join(["ka"] * words), "max_tokens": 2},
+                                    timeout=60)
+        response.raise_for_status()
+        return response.json()

@@ -1,16 +1,20 @@
-"""A process with a hooked function, scraped by the live Prometheus test (test_live_prometheus.py).
+"""A process with a hooked function, scraped by the live Prometheus tests (test_live_prometheus.py).
 
-    python -m tests.dashboards.live_hook_process --port PORT [--seconds S] [--marker TEXT]
+    python -m tests.dashboards.live_hook_process --port PORT [--addr ADDR] [--seconds S] [--marker TEXT]
+                                                 [--log-dir DIR]
 
 It is a serving rank in miniature. `logits_chunk` (a function of this module) is hooked with
 `telemetry.install`; the lab's caching-allocator simulator is the allocator source, as in
-`memtel lab serve --allocator sim`; each call allocates float32 logits [rows, width] with a width
-that grows call by call, like the sparse indexer's prefill, so the allocator keeps mapping new
-segments: growth events, reserved deltas and device allocations all move.
+`memtel lab serve --allocator sim`.
 
-Two failure paths of the hook are exercised on purpose, because dashboards and alerts read them:
-one install target that does not exist (memtel_hook_install_failures_total) and an allocator
-read that fails on every 7th call (memtel_hook_errors_total{stage="allocator"}).
+It starts at rest: every call allocates the same float32 logits [rows, width] and frees it, so after
+the first call the allocator reuses its cached block and nothing grows, nothing fails (a serving
+process after warm-up). SIGUSR1 switches it to a growing prefill: the width grows call by call, like
+the sparse indexer's logits, so the allocator keeps mapping new segments (growth events, reserved
+deltas, device allocations all move), and two failure paths of the hook are exercised on purpose,
+because dashboards and alerts read them: one install target that does not exist
+(memtel_hook_install_failures_total) and an allocator read that fails on every 7th call
+(memtel_hook_errors_total{stage="allocator"}).
 
 The process exits after --seconds, or as soon as its parent is gone. `--marker` only appears on
 the command line, so the daemon's process collector can match it as a serving role.
@@ -20,14 +24,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
 ROWS = 64
 FLOAT32 = 4
-WIDTH_STEP = 4096                  # 1 MiB more logits per call
+REST_WIDTH = 1024
+WIDTH_STEP = 4096                  # 1 MiB more logits per call while growing
 MAX_LOGITS_BYTES = 256 << 20       # then empty_cache and start over, so the simulated pool stays bounded
 MISSING_TARGET = "json:memtel_live_test_no_such_function"  # an existing module without that attribute
+FAIL_EVERY = 7
 
 
 def logits_chunk(allocator, width: int) -> None:
@@ -36,11 +43,13 @@ def logits_chunk(allocator, width: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--port", type=int, required=True, help="hook exporter port (local rank 0)")
+    parser.add_argument("--addr", default="127.0.0.1", help="address the exporter binds")
     parser.add_argument("--seconds", type=float, default=300.0, help="stop after this long")
     parser.add_argument("--interval", type=float, default=0.05, help="seconds between hooked calls")
     parser.add_argument("--marker", default="memtel-live-hook-process", help="text for the daemon to match")
+    parser.add_argument("--log-dir", default=None, help="directory for the hook's per-call log")
     args = parser.parse_args(argv)
 
     import telemetry
@@ -48,32 +57,44 @@ def main(argv: list[str] | None = None) -> int:
     from telemetry.hook import set_allocator_source
 
     simulator = CachingAllocatorSim()
+    growing = False
     reads = 0
 
     def allocator_source() -> dict:
         nonlocal reads
         reads += 1
-        if reads % 7 == 0:
+        if growing and reads % FAIL_EVERY == 0:
             raise RuntimeError("allocator statistics unreadable (injected by the live test)")
         return simulator.stats()
 
+    def start_growing(_signum: int, _frame: object) -> None:
+        nonlocal growing
+        growing = True
+
+    signal.signal(signal.SIGUSR1, start_growing)
     set_allocator_source(allocator_source)
-    handle = telemetry.install([f"{__name__}:logits_chunk", MISSING_TARGET], port=args.port, addr="127.0.0.1")
-    if f"{__name__}:logits_chunk" not in handle.installed:
+    site = f"{__name__}:logits_chunk"
+    handle = telemetry.install([site], port=args.port, addr=args.addr, log_dir=args.log_dir)
+    if site not in handle.installed:
         print(f"hook not installed: installed={handle.installed} failed={handle.failed}", file=sys.stderr)
         return 1
 
     parent = os.getppid()
     deadline = time.monotonic() + args.seconds
-    width = 1024
+    width = REST_WIDTH
+    missing_installed = False
     module = sys.modules[__name__]
     while time.monotonic() < deadline and os.getppid() == parent:
+        if growing and not missing_installed:
+            telemetry.install([MISSING_TARGET], port=args.port, addr=args.addr, log_dir=args.log_dir)  # counted
+            missing_installed = True
         # Looked up at call time, as the indexer's call site does: the hook's wrapper runs.
         module.logits_chunk(simulator, width)
-        width += WIDTH_STEP
-        if ROWS * width * FLOAT32 > MAX_LOGITS_BYTES:
-            simulator.empty_cache()  # a negative reserved delta on the next call
-            width = 1024
+        if growing:
+            width += WIDTH_STEP
+            if ROWS * width * FLOAT32 > MAX_LOGITS_BYTES:
+                simulator.empty_cache()  # a negative reserved delta on the next call
+                width = REST_WIDTH
         time.sleep(args.interval)
     handle.uninstall()
     return 0

@@ -24,6 +24,15 @@ DASHBOARDS = sorted((ROOT / "dashboards" / "grafana").glob("*.json"))
 RULE_FILES = [ROOT / "dashboards" / "prometheus" / "memtel-recording.yml",
               ROOT / "dashboards" / "prometheus" / "memtel-alerts.yml"]
 
+# Metrics the dashboards and rules already use that no part of memtel exports yet, each with what will.
+# Live, their queries are only checked to be valid PromQL; the documentation check leaves them out.
+# test_pending_metrics_are_still_pending fails once one is documented: then remove it here, and every
+# check applies to it.
+PENDING_METRICS = {
+    "memtel_forecast_reserved_growth_bytes": "the hook's live forecast (issue 12, item 3)",
+    "memtel_forecast_peak_reserved_bytes": "the hook's live forecast (issue 12, item 3)",
+}
+
 # Grafana's built-in interval variables, with values that suit a test Prometheus scraping every second.
 BUILTIN_VALUES = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m"}
 
@@ -32,6 +41,11 @@ BUILTIN_VALUES = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m"}
 class Query:
     where: str   # "dashboard.json: panel 'Title' (id 3) target A", "memtel-alerts.yml: alert X"
     expr: str
+
+
+def reference_docs_text() -> str:
+    """The docs that document metrics (every docs/*.md but the runbook, which only names them)."""
+    return "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "runbook.md")
 
 
 def load_dashboard(path: Path) -> dict:
@@ -60,11 +74,11 @@ def dashboard_queries(path: Path) -> list[Query]:
 
 def variable_queries(dashboard: dict) -> dict[str, str]:
     """name -> Grafana query text of each query variable (e.g. `label_values(metric{...}, node)`)."""
-    out = {}
+    out: dict[str, str] = {}
     for variable in dashboard.get("templating", {}).get("list", []):
         if variable.get("type") == "query":
             query = variable.get("query")
-            out[variable["name"]] = query.get("query") if isinstance(query, dict) else query
+            out[variable["name"]] = str(query.get("query") if isinstance(query, dict) else query)
     return out
 
 
@@ -157,8 +171,12 @@ def boolify(expr: str) -> str:
     return "".join(out)
 
 
-# Series names in memtel's rules and dashboards: memtel_* metrics, recording rules, Prometheus' `up`.
-_SELECTOR = re.compile(r"(?<![\w:\"'])((?:memtel_|instance:|rank:|site:)[\w:]*|up)\b\s*(\{[^}]*\})?")
+# Series names in memtel's rules and dashboards: memtel_* metrics, recording rules (`memtel:`,
+# `instance:`, `rank:`, `site:`, `node:` levels), vLLM's own `vllm:` metrics, the daemon's `process_*`
+# self-metrics and Prometheus' `up`.
+VLLM_PREFIX = "vllm:"
+_SELECTOR = re.compile(
+    r"(?<![\w:\"'])((?:memtel_|memtel:|instance:|rank:|site:|node:|vllm:|process_)[\w:]*|up)\b\s*(\{[^}]*\})?")
 _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
 _MATCHER = re.compile(r"([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*\"((?:[^\"\\]|\\.)*)\"")
 
@@ -189,3 +207,8 @@ def grouping_labels(expr: str) -> set[str]:
 
 def metric_name(selector: str) -> str:
     return selector.split("{", 1)[0]
+
+
+def is_recording_rule(name: str) -> bool:
+    """Recording rules have colons in their names; vLLM's metrics do too, under their own prefix."""
+    return ":" in name and not name.startswith(VLLM_PREFIX)

@@ -37,6 +37,12 @@ def _demo(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedPr
                           env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def _child_sigint_default() -> None:
+    """In the child: Ctrl-C's default, whatever this test process inherited. A suite started in the
+    background by a shell (`pytest ... &`) runs with SIGINT ignored, and a child would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _replay(tokens: int, allocator: str = "sim") -> dict:
     result = subprocess.run([sys.executable, "-m", "telemetry", "replay", "--allocator", allocator, "--json",
                              "--tokens", str(tokens), "--chunk", "4096", "--layers", "3", "--max-model-len", "32768",
@@ -86,10 +92,17 @@ def test_demo_runs_the_whole_pipeline_and_agrees_with_replay(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"Report: {out / 'report.md'}" in result.stdout
     report = (out / "report.md").read_text()
-    for heading in ("## About this run (memtel demo)", "### The ranks against `memtel replay`'s prediction",
-                    "### Where the growth happened, chunk step by chunk step", "## 1. Allocator growth per rank",
-                    "## 2. Host MemAvailable per request", "## 3. Time to first token per request"):
-        assert heading in report
+    headings = [line for line in report.splitlines() if line.startswith("#")]
+    assert headings[:2] == ["# A/B report: stock, fixed", "## About this run (memtel demo)"]
+    for heading in ("### The ranks against the prediction", "### Where the growth happened, chunk step by chunk step",
+                    "### Time to first token", "## 1. Allocator growth per rank", "## 2. Host MemAvailable per request",
+                    "## 3. Time to first token per request"):
+        assert heading in headings
+    # The TTFT difference between the arms on this machine is not presented as the fix's effect.
+    assert "**A TTFT difference between the arms in this run is not the fix's effect**" in report
+    ttft = report.split("## 3. Time to first token per request")[1].split("\n## ")[0]
+    assert "the difference between the arms is not the fix's effect" in ttft
+    assert "cudaMalloc" not in " ".join(line for line in report.splitlines() if line.startswith("| arm"))
     assert "3 steps × 1 repeat(s)" in report and "status **complete**" in report
     plots = list((out / "plots").glob("*.png"))
     assert len(plots) >= 3 and all(p.stat().st_size > 1000 for p in plots)
@@ -104,22 +117,25 @@ def test_demo_runs_the_whole_pipeline_and_agrees_with_replay(tmp_path):
         replay_one = _replay(8192)[arm]
         replay_two = _replay(16384)[arm]
         for rank in ("rank0", "rank1"):
-            first, second, third = (scrapes[(arm, step)][rank] for step in ("step1-8192", "step2-8192", "step3-16384"))
+            first, second, third = (scrapes[(arm, step)][rank]
+                                    for step in ("step1-8192", "step2-8192", "step3-16384"))
             assert first["reserved_bytes"] == replay_one["reserved_growth_bytes"], (arm, rank)
-            assert first["device_alloc_total"] == replay_one["device_allocs"], (arm, rank)
+            assert first["num_device_alloc"] == replay_one["num_device_alloc"], (arm, rank)
             assert second["reserved_bytes"] == first["reserved_bytes"]  # same shapes again: all reused
             assert third["reserved_bytes"] == replay_two["reserved_growth_bytes"], (arm, rank)
-            assert third["device_alloc_total"] == replay_two["device_allocs"], (arm, rank)
+            assert third["num_device_alloc"] == replay_two["num_device_alloc"], (arm, rank)
             # One empty warm-up launch, then chunk steps (2, 2, 4) x 3 layers x launches per step
             # (stock: 1, its largest logits are exactly the budget; fixed: 2 of 2,048 rows x 8,192).
             assert third["hook_calls_total"] == CALLS[arm]
     # Stock grows at every chunk step of its first request; fixed only at its first chunk.
     steps = {s["label"]: s for s in notes["arms"]["stock"]["steps"]}
     assert all(g > 0 for g in steps["step1-8192"]["measured_chunk_step_growth_bytes_first_rank"])
-    assert [g > 0 for g in steps["step3-16384"]["measured_chunk_step_growth_bytes_first_rank"]] == [False, False, True, True]
+    assert [g > 0 for g in steps["step3-16384"]["measured_chunk_step_growth_bytes_first_rank"]] == [
+        False, False, True, True]
     fixed = {s["label"]: s for s in notes["arms"]["fixed"]["steps"]}
     assert [g > 0 for g in fixed["step1-8192"]["measured_chunk_step_growth_bytes_first_rank"]] == [True, False]
     assert not any(fixed["step3-16384"]["measured_chunk_step_growth_bytes_first_rank"])
+    assert all(s["modeled_prefill_s"] > 0 for s in notes["arms"]["fixed"]["steps"])
 
     # The hook wrote one per-call log per rank process, one line per hooked call.
     logs = sorted((out / "hook-logs").glob("*/memtel-calls-rank*-pid*.jsonl"))
@@ -133,23 +149,49 @@ def test_demo_runs_the_whole_pipeline_and_agrees_with_replay(tmp_path):
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= children_before
     assert _leftovers(out) == []
 
+    # docs/demo.md: the commands at the top of ladder.yaml run the same comparison again.
+    again = tmp_path / "again"
+    rerun = [line[4:].strip() for line in (out / "ladder.yaml").read_text().splitlines() if line.startswith("#   ")]
+    assert rerun[1:] == [f"memtel ab run {out / 'ladder.yaml'} --out OTHER", "kill %1"]
+    daemon_argv = rerun[0].removesuffix(" &").split()
+    assert daemon_argv[:2] == ["memtel", "daemon"]
+    daemon = subprocess.Popen([sys.executable, "-m", "telemetry", *daemon_argv[1:]], cwd=ROOT, env=_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        argv = rerun[1].replace("OTHER", str(again)).split()
+        for _ in range(50):  # the daemon answers within a few seconds
+            done = subprocess.run([sys.executable, "-m", "telemetry", *argv[1:]], cwd=ROOT, env=_env(),
+                                  capture_output=True, text=True, timeout=240)
+            if "is not reachable" not in done.stderr:
+                break
+            time.sleep(0.2)
+    finally:
+        daemon.terminate()
+        daemon.wait(20)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "status **complete**" in (again / "report.md").read_text()
+
 
 def test_demo_scale_shrinks_bytes_and_keeps_the_shape():
-    from harness.demo.cli import DemoShape
+    from harness.ab.config import Step
     from harness.demo.notes import predict
+    from harness.demo.setup import DemoSetup
 
-    steps = [(100_000, "a")]
-    grew = lambda p: [g > 0 for g in p.chunk_step_growth]
-    full = predict(DemoShape(allocator="sim", scale=1.0, time_scale=0), steps, "stock")[0]
-    small = predict(DemoShape(allocator="sim", scale=0.25, time_scale=0), steps, "stock")[0]
+    steps = [Step("a", 100_000, 1)]
+
+    def grew(prediction):
+        return [g > 0 for g in prediction.chunk_step_growth_bytes]
+
+    full = predict(DemoSetup(allocator="sim", scale=1.0, time_scale=0), steps, "stock")[0]
+    small = predict(DemoSetup(allocator="sim", scale=0.25, time_scale=0), steps, "stock")[0]
     # About a quarter of the bytes (the allocator's rounding is not scaled, so not exactly).
     assert 0.2 < small.reserved_after_bytes / full.reserved_after_bytes < 0.35
     # Full size: +4,608 MiB in 13 chunk steps, growing at each of the first 8 (until the 512 MiB budget).
-    assert full.reserved_after_bytes == 4608 * MIB and len(full.chunk_step_growth) == 13
+    assert full.reserved_after_bytes == 4608 * MIB and len(full.chunk_step_growth_bytes) == 13
     assert grew(full)[:8] == [True] * 8 and not any(grew(full)[9:])
     assert grew(small)[:8] == [True] * 8 and not any(grew(small)[10:])
     for scale in (1.0, 0.25):
-        fixed = predict(DemoShape(allocator="sim", scale=scale, time_scale=0), steps, "fixed")[0]
+        fixed = predict(DemoSetup(allocator="sim", scale=scale, time_scale=0), steps, "fixed")[0]
         assert grew(fixed) == [True] + [False] * 12
 
 
@@ -158,7 +200,7 @@ def test_ctrl_c_stops_everything(tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "telemetry", "demo", "--out", str(out), "--allocator", "sim",
                                 "--steps", "100000,100000,200000", "--time-scale", "0.2", "--layers", "8"],
                                cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=_child_sigint_default)
     try:
         deadline = time.monotonic() + 90
         results = out / "results.jsonl"
@@ -179,6 +221,19 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert "interrupted" in stderr
     time.sleep(0.5)
     assert _leftovers(out) == []
+
+
+@pytest.mark.parametrize("budget_mb", ["0.5", "3.3"])
+def test_demo_agrees_with_itself_at_a_fractional_budget(tmp_path, budget_mb):
+    """`--budget-mb 96.5` once gave a prediction that disagreed with the servers, and 0.5 crashed it."""
+    out = tmp_path / "run"
+    result = _demo(out, "--allocator", "sim", "--steps", "4096,6144", "--chunk", "2048", "--layers", "2",
+                   "--max-model-len", "16384", "--budget-mb", budget_mb, "--time-scale", "0", "--scale", "0.5")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    notes = json.loads((out / "demo-summary.json").read_text())
+    assert notes["prediction_agrees"] is True
+    assert notes["setup"]["logits_budget_bytes"] == int(float(budget_mb) * MIB)
+    assert all(check["agree"] for arm in notes["arms"].values() for check in arm["steps"])
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -203,7 +258,7 @@ def test_demo_on_cuda_uses_real_allocations(tmp_path):
     assert "**Allocator: real CUDA.**" in report
     assert "Host memory does not move with cudaMalloc on a discrete GPU" in report
     notes = json.loads((out / "demo-summary.json").read_text())
-    assert notes["shape"]["allocator"] == "cuda" and notes["shape"]["scale"] == 1.0
+    assert notes["setup"]["allocator"] == "cuda" and notes["setup"]["scale"] == 1.0
     # The simulator is exact: real CUDA ranks match `memtel replay`'s prediction.
     assert notes["prediction_agrees"] is True, json.dumps(notes["arms"], indent=1)[:3000]
     scrapes = _scrapes_after(out)

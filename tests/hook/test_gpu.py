@@ -9,6 +9,7 @@ whose CUDA is not initialized is not initialized by the hook.
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import socket
@@ -90,7 +91,7 @@ def test_per_call_values_equal_memory_stats_at_the_same_point(torch_cuda, make_m
             assert registry.get_sample_value(metric, labels(site)) == truth[field], (step, metric)
     records = read_records(handle)
     assert len(records) == len(truths)
-    for record, truth in zip(records, truths):
+    for record, truth in zip(records, truths, strict=True):
         assert {field: record[field] for field in STAT_KEYS} == truth
         assert record["device"] == f"cuda:{torch.cuda.current_device()}"
     module.kept.clear()
@@ -118,7 +119,7 @@ def test_growth_events_exactly_when_num_device_alloc_rises(torch_cuda, make_modu
     assert any(rises) and not all(rises)  # the loop both grew and reused cached segments
     records = read_records(handle)
     allocs = [r["num_device_alloc"] for r in records]
-    assert [b > a for a, b in zip(allocs, allocs[1:])] == rises[1:]
+    assert [b > a for a, b in itertools.pairwise(allocs)] == rises[1:]
     module.kept.clear()
 
 

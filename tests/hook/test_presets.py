@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.hook.presets import PRESETS
+from telemetry.hook.presets import MODEL_LOADED, PRESETS
 from telemetry.hook.targets import parse_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +53,12 @@ def module_level_names(tree: ast.Module) -> set[str]:
         elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
         elif isinstance(node, (ast.If, ast.Try)):  # conditional definitions (platform switches)
-            names.update(module_level_names(ast.Module(body=list(ast.walk(node))[1:], type_ignores=[])))
+            inner = [n for n in list(ast.walk(node))[1:] if isinstance(n, ast.stmt)]
+            names.update(module_level_names(ast.Module(body=inner, type_ignores=[])))
     return names
 
 
-def local_names(function: ast.FunctionDef) -> set[str]:
+def local_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     """Names bound inside the function (parameters, assignments, imports) - not global lookups."""
     args = function.args
     names = {a.arg for a in args.args + args.kwonlyargs + args.posonlyargs}
@@ -70,12 +71,12 @@ def local_names(function: ast.FunctionDef) -> set[str]:
     return names
 
 
-def calls_in(function: ast.FunctionDef, name: str) -> list[ast.Call]:
+def calls_in(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) -> list[ast.Call]:
     return [node for node in ast.walk(function)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name]
 
 
-def functions(tree: ast.Module) -> list[ast.FunctionDef]:
+def functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
@@ -132,3 +133,34 @@ def test_patching_where_the_name_is_defined_would_miss_the_module_global_call_si
     tree = ast.parse(source_of("vllm.model_executor.layers.sparse_attn_indexer").read_text())
     module_imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "vllm.utils.deep_gemm"]
     assert any(a.name == "fp8_fp4_mqa_logits" for n in module_imports for a in n.names)
+
+
+def classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+def test_the_model_loaded_signal_is_the_method_every_v1_worker_loads_the_model_with():
+    # The plugin reports unresolved targets when `Worker.load_model` returns. It must be defined there,
+    # and the CPU worker (the test servers') must inherit it, not override it (an override would never
+    # call the patched method, and the check would never run).
+    (signal,) = MODEL_LOADED["vllm"]
+    target = parse_target(signal)
+    class_name, method = target.qualname.split(".")
+    defining = classes(ast.parse(source_of(target.module).read_text()))
+    assert class_name in defining, f"{target.module} has no class {class_name}"
+    assert any(isinstance(node, ast.FunctionDef) and node.name == method for node in defining[class_name].body)
+    cpu = classes(ast.parse(source_of("vllm.v1.worker.cpu_worker").read_text()))["CPUWorker"]
+    assert [getattr(base, "id", None) for base in cpu.bases] == [class_name]
+    assert not any(isinstance(node, ast.FunctionDef) and node.name == method for node in cpu.body)
+
+
+LAYERED = [(preset, site) for preset, site in SITES if site.layer]
+
+
+@pytest.mark.parametrize("preset, site", LAYERED, ids=[f"{p}:{s.target}" for p, s in LAYERED])
+def test_preset_layer_is_a_class_of_the_module_that_calls_the_target(preset, site):
+    # The unresolved check marks a target "not in the model" when no module of the loaded model is an
+    # instance of this class: the class must exist, and live where the site's call is made.
+    module, _, name = site.layer.partition(":")
+    assert name in classes(ast.parse(source_of(module).read_text())), f"{preset}: {site.layer} does not exist"
+    assert module in site.call_sites, f"{preset}: {site.layer} is not in a calling module {site.call_sites}"

@@ -65,7 +65,7 @@ def test_malformed_target_raises_value_error_showing_the_expected_form(text):
 def test_parse_targets_expands_presets_and_rejects_unknown_names():
     names = [t.name for t in parse_targets("lab-indexer, pkg.mod:f ,")]
     assert names == ["harness.indexer.launch:indexer_logits_launch", "pkg.mod:f"]
-    with pytest.raises(ValueError, match="unknown hook target or preset 'vllm-sparse-indexr'.*vllm-sparse-indexer"):
+    with pytest.raises(ValueError, match=r"unknown hook target or preset 'vllm-sparse-indexr'.*vllm-sparse-indexer"):
         parse_targets("vllm-sparse-indexr")
     with pytest.raises(ValueError, match="no hook targets given"):
         parse_targets(" , ")
@@ -78,7 +78,8 @@ def test_malformed_target_in_install_raises_before_anything_is_patched(make_modu
     with pytest.raises(ValueError, match="expected"):
         telemetry.install([f"{name}:f", f"{name}.f"], port=None)
     assert module.f is original
-    assert telemetry.hook.active_handle() is None or not telemetry.hook.active_handle().installed
+    handle = telemetry.hook.active_handle()
+    assert handle is None or not handle.installed
 
 
 def test_install_and_uninstall_restore_the_original_objects_exactly(make_module):
@@ -136,7 +137,7 @@ def test_target_of_a_module_not_imported_yet_is_installed_when_it_is_imported(ma
     assert calls_total(registry, f"{name}:f") == 1
     # The module keeps its own loader: the import hook's proxy does not leak.
     assert type(module.__loader__).__name__ == "SourceFileLoader"
-    assert type(module.__spec__.loader).__name__ == "SourceFileLoader"
+    assert module.__spec__ is not None and type(module.__spec__.loader).__name__ == "SourceFileLoader"
     original = module.f.__wrapped__
     handle.uninstall()
     assert module.f is original

@@ -140,8 +140,47 @@ def test_hook_counts_every_attention_layer_call_in_the_cpu_worker(tiny_model, tm
         # Only the worker listens: no exporter in the API server (nor the engine core).
         ports = listeners(range(base, base + 4))
         assert ports == {base: worker_pid}, ports
+        assert server.process is not None
         api_server = psutil.Process(server.process.pid)
         assert worker_pid != api_server.pid
         assert worker_pid in {p.pid for p in api_server.children(recursive=True)}
     # After shutdown the log is still exactly one record per call.
     assert len(log.read_text().splitlines()) == calls
+    # The hook said, once and in vLLM's own log, what it hooked in the worker, its rank, port and log.
+    output = server.log_path.read_text(errors="replace")
+    (line,) = [x for x in output.splitlines() if "memtel hook on in pid" in x]
+    assert f"memtel hook on in pid {worker_pid}: rank 0 (local rank 0, from " in line
+    assert f"hooked: {TARGET};" in line and "unresolved: none;" in line
+    assert f"exporter: http://127.0.0.1:{base}/metrics;" in line and f"call log: {log}" in line
+    assert f"pid={worker_pid}) INFO" in line   # vLLM's format: the line went through vLLM's handler
+    assert "hook targets not resolved" not in output
+
+
+def test_the_hook_names_targets_that_never_resolve_in_a_cpu_worker(tiny_model, tmp_path):
+    # The sparse indexer does not exist in a Llama on the CPU: found by a new user as a silent hook (no
+    # exporter, no log file, no log line). After the worker loaded the model, it must say so, once, in
+    # vLLM's log and on the exporter.
+    base = free_port_block(4)
+    log_dir = tmp_path / "memtel"
+    env = {"MEMTEL_TARGETS": "vllm-sparse-indexer", "MEMTEL_PORT": str(base), "MEMTEL_ADDR": "127.0.0.1",
+           "MEMTEL_LOG_DIR": str(log_dir)}
+    server = VllmServer(tiny_model, free_port(), env=env, log_path=tmp_path / "vllm.log")
+    indexer = "vllm.model_executor.layers.sparse_attn_indexer:fp8_fp4_mqa_logits"
+    with server:
+        text = httpx.get(f"http://127.0.0.1:{base}/metrics", timeout=5).text
+        output = server.log_path.read_text(errors="replace")
+    unresolved = {line.split("{")[1].split("}")[0]: line.rsplit(" ", 1)[1] for line in text.splitlines()
+                  if line.startswith("memtel_hook_unresolved_targets{")}
+    assert unresolved[f'node="{os.uname().nodename}",rank="0",target="{indexer}"'] == "1.0"
+    warnings = [x for x in output.splitlines() if "hook targets not resolved after the model loaded" in x]
+    assert len(warnings) == 1, output[-3000:]
+    # vLLM 0.32 imports the indexer's module in every worker: the target installs, but a Llama has no
+    # SparseAttnIndexer layer, so it never runs (the preset's layer check).
+    assert f"{indexer} (hooked, but the loaded model has no SparseAttnIndexer layer: it never runs)" in warnings[0]
+    assert " WARNING " in warnings[0]
+    (announcement,) = [x for x in output.splitlines() if "memtel hook on in pid" in x]
+    assert f"exporter: http://127.0.0.1:{base}/metrics;" in announcement
+    assert f"unresolved: {indexer}" in announcement
+    (log,) = log_dir.glob("memtel-calls-rank0-pid*.jsonl")   # the worker's (empty) log says the hook is on
+    assert log.read_text() == ""
+    assert str(log) in announcement

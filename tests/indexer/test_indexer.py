@@ -12,12 +12,13 @@ def test_simulated_launch_allocates_rows_times_width_float32():
     sim = CachingAllocatorSim()
     handle = indexer.indexer_logits_launch(sim, 8192, 2048, 2048)
     assert sim.allocated_bytes == 8192 * 2048 * 4
-    indexer.release_logits(sim, handle)
+    sim.free(handle)
     assert sim.allocated_bytes == 0 and sim.reserved_bytes == 8192 * 2048 * 4
 
 
 def test_launch_is_looked_up_at_call_time_so_a_hook_sees_it():
-    import harness.indexer.replay as replay_module
+    from harness.indexer.replay import ArmSpec, ReplayParams, replay
+    from harness.indexer.shape import IndexerShape
 
     calls = []
     original = indexer.indexer_logits_launch
@@ -28,7 +29,7 @@ def test_launch_is_looked_up_at_call_time_so_a_hook_sees_it():
 
     indexer.indexer_logits_launch = wrapped
     try:
-        replay_module.replay(replay_module.ReplayParams(tokens=8192, layers=2), [replay_module.ArmSpec("stock")], "sim")
+        replay(ReplayParams(IndexerShape(layers=2), tokens=8192), [ArmSpec("stock")], "sim")
     finally:
         indexer.indexer_logits_launch = original
     assert calls == [(8192, 2048, 2048)] * 2

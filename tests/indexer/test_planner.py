@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from harness.indexer.planner import (
-    MIB,
-    PlannerConfig,
-    chunk_steps,
-    launch_width,
-    plan_launches,
-    plan_prefill,
-    split_rows,
-)
+from harness.indexer.planner import chunk_steps, launch_width, plan_launches, plan_prefill, split_rows
+from harness.indexer.shape import MIB, IndexerShape, ShapeError
 
 
 def test_fixed_width_4608_chunk_is_four_launches_from_the_first_chunk():
-    config = PlannerConfig(mode="fixed", chunk=4608, compress_ratio=4, max_model_len=409_600)
-    assert config.padded_width == 102_400
-    plan = plan_prefill(409_600, config)
+    shape = IndexerShape(chunk=4608, compress_ratio=4, max_model_len=409_600)
+    assert shape.padded_width == 102_400
+    plan = plan_prefill(409_600, shape, "fixed")
     first_step, first_launches = plan[0]
     assert first_step.kv_len == 1152
     assert len(first_launches) == 4
@@ -30,8 +23,8 @@ def test_fixed_width_4608_chunk_is_four_launches_from_the_first_chunk():
 
 
 def test_stock_is_one_launch_per_chunk_until_about_116k_tokens():
-    config = PlannerConfig(mode="stock", chunk=4608, compress_ratio=4, max_model_len=409_600)
-    plan = plan_prefill(4608 * 60, config)  # whole chunks only
+    shape = IndexerShape(chunk=4608, compress_ratio=4, max_model_len=409_600)
+    plan = plan_prefill(4608 * 60, shape, "stock")  # whole chunks only
     single = [step.tokens_so_far for step, launches in plan if len(launches) == 1]
     split = [step.tokens_so_far for step, launches in plan if len(launches) > 1]
     assert single == sorted(single) and split == sorted(split)
@@ -42,28 +35,27 @@ def test_stock_is_one_launch_per_chunk_until_about_116k_tokens():
 
 
 def test_two_small_requests_share_a_stock_launch_but_not_a_fixed_one():
-    stock = PlannerConfig(mode="stock", max_model_len=409_600)
-    fixed = PlannerConfig(mode="fixed", max_model_len=409_600)
-    shared = plan_launches([(1000, 100), (1000, 100)], stock)
+    shape = IndexerShape(max_model_len=409_600)
+    shared = plan_launches([(1000, 100), (1000, 100)], shape, "stock")
     assert len(shared) == 1
     assert (shared[0].rows, shared[0].width, shared[0].requests) == (2000, 200, (0, 1))
-    apart = plan_launches([(1000, 100), (1000, 100)], fixed)
-    assert [(launch.rows, launch.width, launch.requests) for launch in apart] == [(1000, 102_400, (0,)), (1000, 102_400, (1,))]
+    apart = plan_launches([(1000, 100), (1000, 100)], shape, "fixed")
+    assert [(launch.rows, launch.width, launch.requests) for launch in apart] == [
+        (1000, 102_400, (0,)), (1000, 102_400, (1,))]
 
 
 def test_a_request_over_budget_is_sub_chunked_on_rows():
-    config = PlannerConfig(mode="stock", max_logits_bytes=512 * MIB)
-    launches = split_rows(8192, 18_432, config)
+    shape = IndexerShape(logits_budget_bytes=512 * MIB)
+    launches = split_rows(8192, 18_432, shape, "stock")
     assert [launch.rows for launch in launches] == [7281, 911]
     assert all(launch.nbytes <= 512 * MIB for launch in launches)
     # A width beyond the whole budget still gets one row per launch.
-    tiny = PlannerConfig(mode="stock", max_logits_bytes=4 * 1024)
-    assert [launch.rows for launch in split_rows(3, 5000, tiny)] == [1, 1, 1]
+    tiny = IndexerShape(logits_budget_bytes=4 * 1024)
+    assert [launch.rows for launch in split_rows(3, 5000, tiny, "stock")] == [1, 1, 1]
 
 
 def test_packing_stops_at_the_kv_workspace():
-    config = PlannerConfig(mode="stock", kv_workspace_tokens=250)
-    launches = plan_launches([(10, 100), (10, 100), (10, 100)], config)
+    launches = plan_launches([(10, 100), (10, 100), (10, 100)], IndexerShape(), "stock", kv_workspace_tokens=250)
     assert [launch.requests for launch in launches] == [(0, 1), (2,)]
 
 
@@ -78,15 +70,11 @@ def test_chunk_steps_cover_the_prompt_with_a_partial_last_chunk():
 
 
 def test_fixed_width_never_truncates_a_longer_kv():
-    config = PlannerConfig(mode="fixed", fixed_width=1000)
-    assert launch_width(400, config) == 1000
-    assert launch_width(1500, config) == 1500
+    shape = IndexerShape(fixed_width=1000)
+    assert launch_width(400, shape, "fixed") == 1000
+    assert launch_width(1500, shape, "fixed") == 1500
 
 
-@pytest.mark.parametrize(
-    "kwargs, word",
-    [({"mode": "padded"}, "mode"), ({"chunk": 0}, "chunk"), ({"fixed_width": -3}, "fixed_width"), ({"compress_ratio": 0}, "compress_ratio")],
-)
-def test_bad_planner_settings_name_the_setting(kwargs, word):
-    with pytest.raises(ValueError, match=word):
-        PlannerConfig(**kwargs)
+def test_an_unknown_width_mode_names_the_valid_ones():
+    with pytest.raises(ShapeError, match="width mode must be one of stock, fixed, got 'padded'"):
+        plan_prefill(8192, IndexerShape(), "padded")  # type: ignore[arg-type]

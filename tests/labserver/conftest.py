@@ -38,6 +38,12 @@ class LabServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def running(self) -> subprocess.Popen:
+        """The server's process (after start)."""
+        assert self.process is not None, "the lab server was not started"
+        return self.process
+
     def rank_url(self, rank: int) -> str:
         return f"http://127.0.0.1:{self.rank_port + rank}/metrics"
 

@@ -36,13 +36,13 @@ def test_harness_client_streams_an_exact_prompt(lab_server):
     with httpx.Client() as client:
         tokenizer = Tokenizer(client, lab_server.url, MODEL)
         prompt = build_prompt(3000, seed=11, count_tokens=tokenizer.count)
-        assert prompt.token_count == 3000 and tokenizer.calls <= 3
+        assert prompt.prompt_tokens == 3000 and tokenizer.calls <= 3
         before = metric(lab_server.url + "/metrics", "vllm:time_to_first_token_seconds_count")
         result = stream_request(client, lab_server.url, MODEL, prompt.text, RequestSettings(max_tokens=5, timeout_s=60))
     assert result.ok, result.error
-    assert result.prompt_tokens == 3000 and result.output_tokens == 5
+    assert result.usage_prompt_tokens == 3000 and result.output_tokens == 5
     assert result.content_chunks == 5 and result.finish_reason == "length"
-    assert result.ttft_s is not None and result.ttft_s <= result.e2e_s
+    assert result.ttft_s is not None and result.e2e_s is not None and result.ttft_s <= result.e2e_s
     after = metric(lab_server.url + "/metrics", "vllm:time_to_first_token_seconds_count")
     assert after == (before or 0) + 1
     # Every rank ran the prefill through the hooked indexer: 3 chunk steps x 4 layers, 1 launch each
@@ -58,6 +58,7 @@ def test_openai_client_completions(lab_server):
     client = openai.OpenAI(base_url=lab_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     try:
         completion = client.completions.create(model=MODEL, prompt=words(700, "oa"), max_tokens=3, temperature=0)
+        assert completion.usage is not None
         assert completion.usage.prompt_tokens == 700 and completion.usage.completion_tokens == 3
         assert completion.choices[0].finish_reason == "length" and completion.choices[0].text.split()
         stream = client.completions.create(model=MODEL, prompt=words(300, "os"), max_tokens=4, stream=True,
@@ -65,10 +66,11 @@ def test_openai_client_completions(lab_server):
         chunks = list(stream)
         texts = [c.choices[0].text for c in chunks if c.choices]
         assert len(texts) == 4
-        assert chunks[-1].usage.prompt_tokens == 300 and chunks[-1].usage.total_tokens == 304
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens == 300 and usage.total_tokens == 304
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words(50, "c")}],
                                               max_tokens=2)
-        assert chat.usage.prompt_tokens == 50 and chat.choices[0].message.content
+        assert chat.usage is not None and chat.usage.prompt_tokens == 50 and chat.choices[0].message.content
         assert [m.id for m in client.models.list().data] == [MODEL]
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(model=MODEL, prompt=words(16385, "x"), max_tokens=1)

@@ -13,7 +13,7 @@ def test_block_hashes_chain_over_full_blocks_only():
     assert len(a) == 2  # the 8-token tail is not a full block
     b = block_hashes(list(range(32)) + [7] * 8, block_size=16)
     assert a == b
-    c = block_hashes([99] + list(range(1, 40)), block_size=16)
+    c = block_hashes([99, *list(range(1, 40))], block_size=16)
     assert c[0] != a[0] and c[1] != a[1]  # a change in block 0 changes every later hash (chained)
 
 
@@ -24,9 +24,9 @@ def test_lookup_hits_the_longest_cached_prefix_and_keeps_the_last_token_to_compu
     cache.commit(cache.lookup(prompt).hashes)
     # The same prompt: at most the blocks before its last token are cached (vLLM computes one token).
     assert cache.lookup(prompt).cached_tokens == 48
-    assert cache.lookup(prompt + [1000, 1001]).cached_tokens == 64
+    assert cache.lookup([*prompt, 1000, 1001]).cached_tokens == 64
     assert cache.lookup(list(range(40)) + [5] * 30).cached_tokens == 32
-    assert cache.lookup([1] + prompt[1:]).cached_tokens == 0
+    assert cache.lookup([1, *prompt[1:]]).cached_tokens == 0
 
 
 def test_least_recently_used_blocks_are_evicted():
@@ -35,8 +35,8 @@ def test_least_recently_used_blocks_are_evicted():
     cache.commit(cache.lookup(first).hashes)   # 3 blocks
     cache.commit(cache.lookup(second).hashes)  # 3 more: the oldest two of `first` go
     assert len(cache) == 4
-    assert cache.lookup(second + [1]).cached_tokens == 48
-    assert cache.lookup(first + [1]).cached_tokens == 0  # its first block was evicted, so nothing chains
+    assert cache.lookup([*second, 1]).cached_tokens == 48
+    assert cache.lookup([*first, 1]).cached_tokens == 0  # its first block was evicted, so nothing chains
 
 
 def test_server_does_not_prefill_a_repeated_prefix(lab_server):

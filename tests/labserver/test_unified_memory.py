@@ -12,7 +12,7 @@ import pytest
 from harness.allocsim import CachingAllocatorSim
 from harness.labserver.unified_memory import HostBacking, parse_percpu_pagesets, read_percpu_pagesets
 from telemetry.procfs.meminfo import MeminfoReader
-from tests.lab_server.conftest import LabServer
+from tests.labserver.conftest import LabServer
 
 MIB = 1 << 20
 SEGMENT = 768 * MIB
@@ -98,7 +98,7 @@ def test_percpu_pagesets_parser():
 
 
 def _ranks(server: LabServer) -> list[psutil.Process]:
-    return [p for p in psutil.Process(server.process.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    return [p for p in psutil.Process(server.running.pid).children() if "spawn_main" in " ".join(p.cmdline())]
 
 
 def test_lab_server_ranks_hold_their_reserved_memory_in_host_pages(tmp_path):

@@ -124,6 +124,7 @@ class VllmServer:
         return self
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
+        assert self.process is not None, "start() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -62,8 +62,15 @@ def kmsg_families(snap: CountsSnapshot, pattern_names: tuple[str, ...] = ()) -> 
         "Kernel log records lost before they were read (ring-buffer overruns, sequence gaps).", value=snap.missed,
     ))
     families.append(CounterMetricFamily(
-        "memtel_kernel_kmsg_state_write_failures", "Failed writes of the kmsg state file.",
+        "memtel_kernel_kmsg_state_write_failures",
+        "Failed writes of the kmsg state file (the last good state is kept; kept across restarts).",
         value=snap.state_write_failures,
+    ))
+    families.append(CounterMetricFamily(
+        "memtel_kernel_kmsg_ignored_test_lines",
+        "Kernel log lines written by memtel's own test suite (they start with 'memtel-test:'), read this boot and "
+        "counted nowhere else (kmsg.ignore_test_lines).",
+        value=snap.ignored_test_lines,
     ))
     return families
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from telemetry.procfs.meminfo import MEMINFO_PATH, MeminfoReader
+from telemetry.procfs.unaccounted import unaccounted_bytes
 
 # (metric name, meminfo field, help); a field the kernel lacks leaves its metric out.
 _GAUGES = (
@@ -38,6 +39,14 @@ def meminfo_families(values: dict[str, int]) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "memtel_node_swap_used_bytes", "Swap space in use (SwapTotal - SwapFree).",
             value=values["SwapTotal"] - values["SwapFree"],
+        )
+    unaccounted = unaccounted_bytes(values)
+    if unaccounted is not None:
+        yield GaugeMetricFamily(
+            "memtel_node_mem_unaccounted_bytes",
+            "Memory no /proc/meminfo field accounts for: MemTotal minus free, LRU, slab and other kernel fields "
+            "(docs/metrics.md); on unified memory mostly what GPU drivers hold. Not clamped at 0.",
+            value=unaccounted,
         )
 
 

@@ -41,6 +41,7 @@ class GpuReading:
     memory_total_bytes: int | None  # None: NOT_SUPPORTED (unified memory)
     memory_used_bytes: int | None
     processes: tuple[GpuProcess, ...] = ()
+    power_watts: float | None = None  # None: NOT_SUPPORTED (or NVML could not say)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class NvmlSnapshot:
                 index=g["index"], uuid=g["uuid"], name=g["name"],
                 memory_total_bytes=g.get("memory_total_bytes"), memory_used_bytes=g.get("memory_used_bytes"),
                 processes=tuple(GpuProcess(**p) for p in g.get("processes", ())),
+                power_watts=g.get("power_watts"),
             )
             for g in data["gpus"]
         )
@@ -77,6 +79,7 @@ class NvmlReader:
         self._failed_at: float | None = None
         self._failure = ""
         self._process_names: dict[int, str] = {}
+        self._power_logged: set[int] = set()
 
     def _init(self) -> Any:
         if self._nvml is not None:
@@ -110,8 +113,19 @@ class NvmlReader:
             gpus.append(GpuReading(
                 index=index, uuid=_text(nvml.nvmlDeviceGetUUID(handle)), name=_text(nvml.nvmlDeviceGetName(handle)),
                 memory_total_bytes=total, memory_used_bytes=used, processes=self._processes(nvml, handle),
+                power_watts=self._power(nvml, handle, index),
             ))
         return NvmlSnapshot(driver_version=driver, gpus=tuple(gpus))
+
+    def _power(self, nvml: Any, handle: Any, index: int) -> float | None:
+        """Power draw in watts (NVML answers milliwatts); None where NVML cannot say, logged once per GPU."""
+        try:
+            return int(nvml.nvmlDeviceGetPowerUsage(handle)) / 1000.0
+        except nvml.NVMLError as exc:
+            if index not in self._power_logged:
+                self._power_logged.add(index)
+                log.info("GPU %d: NVML cannot report power usage (%s); memtel_gpu_power_watts left out", index, exc)
+            return None
 
     def _processes(self, nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
         used: dict[int, int | None] = {}
@@ -144,9 +158,8 @@ def _text(value: Any) -> str:
 
 
 def nvml_available_family(available: bool) -> Metric:
-    return GaugeMetricFamily(
-        "memtel_gpu_nvml_available", "1 if the NVML library loaded and initialised, else 0.", value=1 if available else 0
-    )
+    return GaugeMetricFamily("memtel_gpu_nvml_available", "1 if the NVML library loaded and initialised, else 0.",
+                             value=1 if available else 0)
 
 
 def nvml_families(snapshot: NvmlSnapshot, max_processes: int = 32) -> list[Metric]:
@@ -164,6 +177,8 @@ def nvml_families(snapshot: NvmlSnapshot, max_processes: int = 32) -> list[Metri
         labels=["gpu", "uuid", "pid", "process"],
     )
     proc_count = GaugeMetricFamily("memtel_gpu_processes", "Processes NVML lists on this GPU.", labels=["gpu", "uuid"])
+    power = GaugeMetricFamily("memtel_gpu_power_watts", "GPU power draw (NVML power usage); absent where NVML "
+                              "cannot say.", labels=["gpu", "uuid"])
     for gpu in snapshot.gpus:
         ids = [str(gpu.index), gpu.uuid]
         info.add_metric([*ids, gpu.name, snapshot.driver_version], 1)
@@ -171,11 +186,13 @@ def nvml_families(snapshot: NvmlSnapshot, max_processes: int = 32) -> list[Metri
         if gpu.memory_total_bytes is not None and gpu.memory_used_bytes is not None:
             used.add_metric(ids, gpu.memory_used_bytes)
             total.add_metric(ids, gpu.memory_total_bytes)
-        known = sorted((p for p in gpu.processes if p.used_bytes is not None), key=lambda p: -p.used_bytes)
-        for proc in known[:max_processes]:
-            proc_used.add_metric([*ids, str(proc.pid), proc.name], proc.used_bytes)
+        known = sorted(((p, p.used_bytes) for p in gpu.processes if p.used_bytes is not None), key=lambda k: -k[1])
+        for proc, amount in known[:max_processes]:
+            proc_used.add_metric([*ids, str(proc.pid), proc.name], amount)
         proc_count.add_metric(ids, len(gpu.processes))
-    return [nvml_available_family(True), info, unified, used, total, proc_used, proc_count]
+        if gpu.power_watts is not None:
+            power.add_metric(ids, gpu.power_watts)
+    return [nvml_available_family(True), info, unified, used, total, proc_used, proc_count, power]
 
 
 class NvmlCollector:

@@ -19,12 +19,16 @@ import re
 from dataclasses import dataclass
 
 from telemetry.daemon.kmsg.record import KmsgRecord
+from telemetry.daemon.patterns import Searcher
 
 NV_ERR_NO_MEMORY = "nv_err_no_memory"
 NVRM_ERROR = "nvrm_error"
 OOM_KILL = "oom_kill"
 XID_PREFIX = "xid:"
 PATTERN_PREFIX = "pattern:"
+# Every line memtel's own test suite writes into the kernel log starts with this (tests/support/kmsg.py);
+# the daemon reads such lines but counts them nowhere unless kmsg.ignore_test_lines is false.
+TEST_LINE_MARKER = "memtel-test:"
 
 _NVRM = re.compile(r"\bNVRM\b")
 # The status by name anywhere (NVRM or nvidia-uvm), or in an NVRM line by its wording or its code 0x51.
@@ -43,16 +47,23 @@ _ERR_LEVEL = 3  # syslog: 0 emerg .. 3 err
 @dataclass(frozen=True)
 class UserPattern:
     name: str
-    regex: re.Pattern[str]
+    regex: Searcher  # compiled with RE2 (telemetry.daemon.patterns); anything with .search(text) works
 
 
 class Classifier:
-    def __init__(self, patterns: tuple[UserPattern, ...] = ()) -> None:
+    def __init__(self, patterns: tuple[UserPattern, ...] = (), *, ignore_test_lines: bool = False) -> None:
         self.patterns = patterns
+        self.ignore_test_lines = ignore_test_lines
+
+    def is_ignored(self, record: KmsgRecord) -> bool:
+        """A line of memtel's own test suite, while those are ignored."""
+        return self.ignore_test_lines and record.message.startswith(TEST_LINE_MARKER)
 
     def classify(self, record: KmsgRecord) -> list[str]:
         message = record.message
         kinds: list[str] = []
+        if self.is_ignored(record):
+            return kinds
         is_nvrm = _NVRM.search(message) is not None
         if _NO_MEMORY_NAME.search(message) or (is_nvrm and _NO_MEMORY_NVRM.search(message)):
             kinds.append(NV_ERR_NO_MEMORY)

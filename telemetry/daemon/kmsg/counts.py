@@ -26,7 +26,9 @@ class CountsSnapshot:
     records: int = 0
     missed: int = 0
     state_write_failures: int = 0
+    ignored_test_lines: int = 0  # lines of memtel's own test suite, read and counted nowhere else
     last_seq: int | None = None
+    last_usec: int | None = None  # kernel time of the record `last_seq` (tells a new boot with the same boot id)
     stream_offset: int | None = None  # bytes consumed of a plain file given with --kmsg (restart point)
 
 
@@ -45,7 +47,9 @@ class KmsgCounts:
         self._records = 0
         self._missed = 0
         self._state_write_failures = 0
+        self._ignored_test_lines = 0
         self._last_seq: int | None = None
+        self._last_usec: int | None = None
         self._stream_offset: int | None = None
 
     def _bounded(self, kind: str) -> str:
@@ -55,13 +59,17 @@ class KmsgCounts:
         return kind if codes < self.max_xid_codes else XID_OTHER
 
     def add_record(
-        self, kinds: list[str], usec: int, wall: float, seq: int | None, stream_offset: int | None = None
+        self, kinds: list[str], usec: int, wall: float, seq: int | None, stream_offset: int | None = None,
+        *, ignored_test_line: bool = False,
     ) -> None:
         """Count one record read from the log, with the kinds the classifier gave it."""
         with self._lock:
             self._records += 1
+            if ignored_test_line:
+                self._ignored_test_lines += 1
             if seq is not None:
                 self._last_seq = seq
+                self._last_usec = usec
             if stream_offset is not None:
                 self._stream_offset = stream_offset
             for raw_kind in kinds:
@@ -82,6 +90,16 @@ class KmsgCounts:
         with self._lock:
             self._state_write_failures += 1
 
+    def set_state_write_failures(self, count: int) -> None:
+        """Carry the failure count of an earlier run over (the counts themselves may start from zero)."""
+        with self._lock:
+            self._state_write_failures = max(self._state_write_failures, count)
+
+    def reset_for_new_boot(self) -> None:
+        """Zero every kernel-log count (the log is another boot's); the state-write failures stay."""
+        failures = self.snapshot().state_write_failures
+        self.restore(CountsSnapshot(state_write_failures=failures))
+
     def set_stream_offset(self, offset: int | None) -> None:
         with self._lock:
             self._stream_offset = offset
@@ -96,6 +114,11 @@ class KmsgCounts:
         with self._lock:
             return self._last_seq
 
+    @property
+    def last_usec(self) -> int | None:
+        with self._lock:
+            return self._last_usec
+
     def snapshot(self) -> CountsSnapshot:
         with self._lock:
             return CountsSnapshot(
@@ -107,7 +130,9 @@ class KmsgCounts:
                 records=self._records,
                 missed=self._missed,
                 state_write_failures=self._state_write_failures,
+                ignored_test_lines=self._ignored_test_lines,
                 last_seq=self._last_seq,
+                last_usec=self._last_usec,
                 stream_offset=self._stream_offset,
             )
 
@@ -122,5 +147,7 @@ class KmsgCounts:
             self._records = snap.records
             self._missed = snap.missed
             self._state_write_failures = snap.state_write_failures
+            self._ignored_test_lines = snap.ignored_test_lines
             self._last_seq = snap.last_seq
+            self._last_usec = snap.last_usec
             self._stream_offset = snap.stream_offset

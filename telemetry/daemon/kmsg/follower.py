@@ -5,6 +5,11 @@ buffer overwrote records we had not read yet; reading then goes on from the olde
 and the gap in sequence numbers is counted as missed records. A plain file or a FIFO given with
 `--kmsg` is read line by line and followed like `tail -f`.
 
+A restart resumes after the saved sequence number. If the kernel's sequence numbers went backwards
+(the saved record is not the kernel's record of that number, or the newest record is older than
+the saved one: a reboot whose boot id could not be told apart), the counts start from zero and the
+log is read again from its oldest record, instead of skipping every new record as "already counted".
+
 When the log cannot be opened (no CAP_SYSLOG, missing path) the follower records the reason in
 `error`, which makes the kmsg collector report failure, and retries every `retry_interval` seconds.
 """
@@ -58,6 +63,11 @@ class KmsgFollower:
         self._logged_errors: set[str] = set()
         self._overrun_logged = False
         self._have_seq = False
+        # The saved position to verify against the kernel's log after a restart (None: nothing to verify).
+        self._resume_seq: int | None = None
+        self._resume_usec: int | None = None
+        self._max_seq_seen: int | None = None
+        self._rewind = False
 
     # -- lifecycle --------------------------------------------------------------------------------
     def load_state(self) -> None:
@@ -69,6 +79,8 @@ class KmsgFollower:
         if result.snapshot is not None:
             self.counts.restore(result.snapshot)
             self._have_seq = result.snapshot.last_seq is not None
+            self._resume_seq, self._resume_usec = result.snapshot.last_seq, result.snapshot.last_usec
+        self.counts.set_state_write_failures(result.state_write_failures)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="memtel-kmsg", daemon=True)
@@ -94,7 +106,9 @@ class KmsgFollower:
             self._dirty = False
         except OSError as exc:
             self.counts.add_state_write_failure()
-            self._log_once(f"cannot write the kmsg state file {self.state_path}: {exc}")
+            # strerror, not str(exc): the message names a random temporary file and must log once per cause.
+            self._log_once(f"cannot write the kmsg state file {self.state_path}: {exc.strerror or exc} (the last good "
+                           "state is kept; counted in memtel_kernel_kmsg_state_write_failures_total)")
 
     # -- reading ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -127,7 +141,8 @@ class KmsgFollower:
             return None
         if stat.S_ISDIR(os.fstat(fd).st_mode):
             os.close(fd)
-            self._fail(f"cannot read the kernel log {self.path}: it is a directory (expected /dev/kmsg, a file or a FIFO)")
+            self._fail(f"cannot read the kernel log {self.path}: it is a directory "
+                       "(expected /dev/kmsg, a file or a FIFO)")
             return None
         if self.error is not None:
             log.info("reading the kernel log %s again", self.path)
@@ -162,11 +177,32 @@ class KmsgFollower:
                     break
                 record = parse_record(chunk.decode("utf-8", "replace"))
                 if record is not None:
-                    self._handle(record)
+                    self._handle(record, device=True)
+                if self._rewind:
+                    self._start_over(fd)
                 if self._stop.is_set():
                     return
+            if self._resume_seq is not None:  # caught up with the kernel's newest record once
+                if self._max_seq_seen is not None and self._max_seq_seen < self._resume_seq:
+                    self._new_boot(f"the kernel's newest record is {self._max_seq_seen}")
+                    self._start_over(fd)
+                    continue
+                self._resume_seq = None
             self.persist()
             poller.poll(POLL_MS)
+
+    def _new_boot(self, why: str) -> None:
+        log.warning("kernel log sequence numbers went backwards (saved state: record %s; %s): treating this as a new "
+                    "boot, counters start from 0 and the log is read from its oldest record", self._resume_seq, why)
+        self.counts.reset_for_new_boot()
+        self._have_seq = False
+        self._resume_seq = self._resume_usec = self._max_seq_seen = None
+        self._dirty = True
+        self._rewind = True
+
+    def _start_over(self, fd: int) -> None:
+        os.lseek(fd, 0, os.SEEK_SET)  # /dev/kmsg: back to the oldest record in the ring buffer
+        self._rewind = False
 
     def _follow_stream(self, fd: int) -> None:
         # A regular file resumes at the byte offset saved with the counts (its lines may carry no sequence
@@ -206,8 +242,15 @@ class KmsgFollower:
             self.persist()
             self._stop.wait(POLL_MS / 1000)
 
-    def _handle(self, record: KmsgRecord, stream_offset: int | None = None) -> None:
+    def _handle(self, record: KmsgRecord, stream_offset: int | None = None, *, device: bool = False) -> None:
         seq = record.seq
+        if seq is not None and device and self._resume_seq is not None:
+            if self._max_seq_seen is None or seq > self._max_seq_seen:
+                self._max_seq_seen = seq
+            if seq == self._resume_seq and self._resume_usec is not None and record.usec != self._resume_usec:
+                self._new_boot(f"the kernel's record {seq} was logged at {record.usec} us, the saved one at "
+                               f"{self._resume_usec} us")
+                return
         if seq is not None:
             last = self.counts.last_seq
             if last is not None and self._have_seq:
@@ -224,5 +267,7 @@ class KmsgFollower:
             wall = now_wall - now_mono + usec / 1e6  # the kernel stamps records with its monotonic clock
         else:
             usec, wall = int(now_mono * 1e6), now_wall
-        self.counts.add_record(self.classifier.classify(record), usec, wall, seq, stream_offset)
+        ignored = self.classifier.is_ignored(record)
+        kinds = [] if ignored else self.classifier.classify(record)
+        self.counts.add_record(kinds, usec, wall, seq, stream_offset, ignored_test_line=ignored)
         self._dirty = True

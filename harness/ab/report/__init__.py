@@ -1,0 +1,32 @@
+"""The comparison report of a run directory, in stages: load → metrics → tables → Markdown and plots.
+
+- `load.load_run(run_dir) -> RunData`: results.jsonl as typed records, grouped; the hook's call logs
+  (`RunData.hook_calls(arm, repeat) -> {rank: CallSeries}`, numpy columns in time order).
+- `metrics.compute_metrics(run) -> RunMetrics`: one `RequestMetrics` per request (nodes, ranks, where the
+  hook saw the growth), failures, and `values` / `spread` / `difference` over repeats.
+- `tables`: the harness's sections (allocator growth, MemAvailable, TTFT, swap and driver errors, failures).
+- `markdown`: `Table`, `Section`, the cell formats. `plots.write_plots`.
+- `compose.Report` / `write_report(run_dir, extra_sections=(), notes=None)`: writes report.md, summary.json
+  and plots/; callers pass their own sections and notes in.
+"""
+
+from harness.ab.report.compose import Report, write_report
+from harness.ab.report.hook_calls import CallSeries
+from harness.ab.report.load import RunData, RunDirectoryError, load_run
+from harness.ab.report.markdown import Section, Table
+from harness.ab.report.metrics import (
+    Difference,
+    Failure,
+    HookGrowth,
+    NodeRequestMetrics,
+    RankRequestMetrics,
+    RequestMetrics,
+    RunMetrics,
+    Spread,
+    compute_metrics,
+    growth_location,
+)
+
+__all__ = ["CallSeries", "Difference", "Failure", "HookGrowth", "NodeRequestMetrics", "RankRequestMetrics", "Report",
+           "RequestMetrics", "RunData", "RunDirectoryError", "RunMetrics", "Section", "Spread", "Table",
+           "compute_metrics", "growth_location", "load_run", "write_report"]

@@ -1,0 +1,61 @@
+"""buddyinfo collector: free memory in blocks of at least 2 MiB, and free blocks per order.
+
+A host can show a large MemAvailable while holding almost no free block of 2 MiB or more (page cache
+and fragmentation after days of uptime); GPU drivers on unified memory ask for such blocks. The order
+of a 2 MiB block comes from the real page size (4 KiB → 9, 16 KiB → 7, 64 KiB → 5).
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from telemetry.procfs.buddyinfo import (
+    BUDDYINFO_PATH,
+    CONTIGUOUS_BLOCK_BYTES,
+    ZoneFreeBlocks,
+    free_blocks_by_order,
+    free_bytes_in_blocks_of_at_least,
+    parse_buddyinfo,
+    system_page_size,
+)
+from telemetry.procfs.procfile import ProcFile
+
+
+def read_free_blocks(file: ProcFile) -> tuple[ZoneFreeBlocks, ...]:
+    zones = parse_buddyinfo(file.read_text())
+    if not zones:
+        raise ValueError(f"{file.path} has no `Node N, zone NAME counts...` lines: not a buddyinfo file")
+    return zones
+
+
+def buddyinfo_families(zones: tuple[ZoneFreeBlocks, ...], page_size: int) -> list[Metric]:
+    contiguous = GaugeMetricFamily(
+        "memtel_node_mem_free_contiguous_bytes",
+        "Free memory in blocks of at least 2 MiB (/proc/buddyinfo, summed over nodes and zones).",
+        value=free_bytes_in_blocks_of_at_least(zones, CONTIGUOUS_BLOCK_BYTES, page_size),
+    )
+    listed = GaugeMetricFamily(
+        "memtel_node_mem_free_buddy_bytes",
+        "Free memory on the page allocator's free lists, every order (/proc/buddyinfo); a little below MemFree, "
+        "which also counts per-CPU lists.",
+        value=free_bytes_in_blocks_of_at_least(zones, 0, page_size),
+    )
+    blocks = GaugeMetricFamily(
+        "memtel_node_mem_free_blocks",
+        "Free blocks of 2^order pages (/proc/buddyinfo, summed over nodes and zones).",
+        labels=["order"],
+    )
+    for order, count in enumerate(free_blocks_by_order(zones)):
+        blocks.add_metric([str(order)], count)
+    page = GaugeMetricFamily("memtel_node_page_size_bytes", "The kernel's page size (order 0 block size).",
+                             value=page_size)
+    return [contiguous, listed, blocks, page]
+
+
+class BuddyinfoCollector:
+    def __init__(self, path: str = BUDDYINFO_PATH, page_size: int | None = None) -> None:
+        self.file = ProcFile(path)
+        self.page_size = page_size or system_page_size()
+
+    def collect(self) -> list[Metric]:
+        return buddyinfo_families(read_free_blocks(self.file), self.page_size)

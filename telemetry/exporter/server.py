@@ -1,0 +1,527 @@
+"""A /metrics HTTP server that idle connections, slow clients and connection floods cannot stop.
+
+One selector thread owns every connection while it waits for a request: it accepts, reads, runs TLS
+handshakes without blocking and closes connections that stay idle (`idle_timeout_seconds`) or take
+too long to send a request (`request_timeout_seconds`). A complete request goes to a small pool of
+worker threads (`workers`) that check basic auth, render the registry and write the response with a
+write timeout, then hand a kept-alive connection back. So a scrape costs no thread of its own and
+an idle connection costs one file descriptor and nothing else.
+
+The number of open connections is bounded (`max_connections`, and never more than the process's
+open-file limit allows): past it, the connection idle the longest is closed to make room, so a flood
+of idle connections can delay a scrape by one accept, not stop it. The listen backlog is large
+(`backlog`), so 50 scrapers connecting at once do not wait for SYN retransmits. Accept errors such as
+EMFILE pause accepting briefly instead of spinning a core.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import json
+import logging
+import resource
+import selectors
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from telemetry.errors import ConfigError, RunError
+from telemetry.exporter.address import format_listen
+from telemetry.exporter.protocol import BadRequest, Request, build_response, parse_request, split_head
+from telemetry.exporter.webconfig import WebConfig
+
+log = logging.getLogger("memtel.exporter")
+
+_TEXT = "text/plain; charset=utf-8"
+_SWEEP_SECONDS = 0.25  # how often timeouts are checked
+_ACCEPTS_PER_TURN = 64  # so timeouts and reads are served during an accept flood
+_FD_RESERVE = 64  # descriptors left for the process's own files when bounding connections
+
+
+class ListenError(RunError):
+    """The address could not be bound (in use, no permission)."""
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_connections: int = 256
+    idle_timeout_seconds: float = 90.0  # a connection without a request since it opened or since its last response
+    request_timeout_seconds: float = 10.0  # from a request's first byte (or the TLS hello) to its last header
+    write_timeout_seconds: float = 10.0
+    backlog: int = 1024
+    workers: int = 4
+    max_request_bytes: int = 16384
+
+
+class _Connection:
+    __slots__ = ("buffer", "busy", "close_after", "handshaking", "peer", "pending", "request_started", "since", "sock")
+
+    def __init__(self, sock: socket.socket, peer: object, now: float, handshaking: bool) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.buffer = bytearray()
+        self.since = now
+        self.request_started: float | None = now if handshaking else None
+        self.busy = False
+        self.handshaking = handshaking
+        self.pending = b""  # the rest of a response the socket did not take at once (sent by a worker)
+        self.close_after = False  # close once `pending` is sent
+
+
+_LISTENER = object()
+_WAKE = object()
+
+
+class MetricsServer:
+    """Serves `/metrics` from `registry`, `/healthz` from `health()` if given, and a short `/` page.
+
+    The socket is bound in the constructor (ListenError, or ConfigError for an address that is not
+    on this machine), so a caller can fail before starting anything else. `start()` serves in
+    daemon threads; `stop()` closes everything.
+    """
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, *,
+                 health: Callable[[], dict] | None = None, web_config: WebConfig | None = None,
+                 limits: ServerLimits | None = None, name: str = "memtel") -> None:
+        self.registry = registry
+        self.health = health
+        self.web_config = web_config or WebConfig()
+        self.limits = limits or ServerLimits()
+        self.name = name
+        self._listener = _bind(host, port, self.limits.backlog)
+        self.host = host
+        self.port: int = self._listener.getsockname()[1]
+        self.max_connections = _bounded_connections(self.limits.max_connections)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._stats_lock = threading.Lock()
+        self._conns: set[_Connection] = set()
+        self._returned: collections.deque[_Connection] = collections.deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._pool: ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._accept_paused_until = 0.0
+        self._logged: set[str] = set()
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.web_config.tls is not None else "http"
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "::1" if self.host == "::" else self.host
+        return f"{scheme}://{format_listen(host, self.port)}"
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    def _count(self, what: str) -> None:
+        with self._stats_lock:
+            self.stats[what] += 1
+
+    def counts(self) -> dict[str, int]:
+        """Connections accepted, closed by reason, requests served, ... since start (for /healthz and tests)."""
+        with self._stats_lock:
+            return dict(self.stats)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix=f"{self.name}-http-worker")
+        self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._thread = threading.Thread(target=self._serve, name=f"{self.name}-http", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        for conn in list(self._conns):
+            self._close(conn, "stopped", unregister=False)
+        while self._returned:
+            self._close(self._returned.popleft(), "stopped", unregister=False)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+        with contextlib.suppress(Exception):
+            self._selector.close()
+
+    def close_after_fork(self) -> None:
+        """In a forked child: close the inherited descriptors only (no shutdown: the parent keeps serving)."""
+        for conn in list(self._conns):
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+        self._conns.clear()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                sock.close()
+        with contextlib.suppress(Exception):
+            self._selector.close()
+        self._pool = None
+        self._thread = None
+        self._stopping = True
+
+    # -- the selector thread -------------------------------------------------------------------------
+    def _serve(self) -> None:
+        next_sweep = time.monotonic() + _SWEEP_SECONDS
+        while not self._stopping:
+            try:
+                events = self._selector.select(max(0.0, next_sweep - time.monotonic()))
+            except OSError as exc:  # should not happen; never spin on it
+                self._log_once(f"select failed: {exc}")
+                time.sleep(0.1)
+                continue
+            for key, _mask in events:
+                data = key.data
+                try:
+                    if data is _LISTENER:
+                        self._accept()
+                    elif data is _WAKE:
+                        self._take_back()
+                    else:
+                        self._on_readable(data)
+                except Exception as exc:  # one bad connection must never stop the server
+                    self._log_once(f"connection handling failed: {type(exc).__name__}: {exc}")
+                    if isinstance(data, _Connection):
+                        self._close(data, "error")
+            now = time.monotonic()
+            if now >= next_sweep:
+                self._sweep(now)
+                next_sweep = now + _SWEEP_SECONDS
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPTS_PER_TURN):
+            try:
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._log_once(f"accepting a connection failed: {exc.strerror}; closing idle connections")
+                    if not self._evict_idlest():
+                        self._pause_accepting(0.1)
+                        return
+                    continue
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue
+                self._log_once(f"accepting a connection failed: {exc}")
+                self._pause_accepting(0.1)
+                return
+            self._count("accepted")
+            if len(self._conns) >= self.max_connections and not self._evict_idlest():
+                self._count("rejected")
+                sock.close()
+                continue
+            self._add(sock, peer)
+
+    def _add(self, sock: socket.socket, peer: object) -> None:
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Without this, Nagle's algorithm and the client's delayed ACK can hold a response for 40 ms.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tls = self.web_config.tls
+        if tls is not None:
+            try:
+                sock = tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            except (OSError, ValueError):
+                sock.close()
+                self._count("tls_failed")
+                return
+        conn = _Connection(sock, peer, time.monotonic(), handshaking=tls is not None)
+        self._conns.add(conn)
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _pause_accepting(self, seconds: float) -> None:
+        # Level-triggered: a listener left registered while accept() keeps failing would spin a core.
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(self._listener)
+        self._accept_paused_until = time.monotonic() + seconds
+
+    def _evict_idlest(self) -> bool:
+        """Close the connection that has waited longest for a request (not one being answered)."""
+        idle = [c for c in self._conns if not c.busy]
+        if not idle:
+            return False
+        self._close(min(idle, key=lambda c: c.since), "evicted")
+        return True
+
+    def _on_readable(self, conn: _Connection) -> None:
+        if conn.busy:
+            return
+        sock = conn.sock
+        if conn.handshaking:
+            assert isinstance(sock, ssl.SSLSocket)
+            try:
+                sock.do_handshake()
+            except ssl.SSLWantReadError:
+                return
+            except ssl.SSLWantWriteError:
+                self._selector.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+                return
+            except (ssl.SSLError, OSError):
+                self._close(conn, "tls_failed")
+                return
+            conn.handshaking = False
+            conn.request_started = None
+            conn.since = time.monotonic()
+            self._selector.modify(sock, selectors.EVENT_READ, conn)
+        limit = self.limits.max_request_bytes
+        while len(conn.buffer) <= limit:
+            try:
+                chunk = sock.recv(65536)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            except (ssl.SSLError, OSError):
+                self._close(conn, "reset")
+                return
+            if not chunk:
+                self._close(conn, "client_closed")
+                return
+            if conn.request_started is None:
+                conn.request_started = time.monotonic()
+            conn.buffer += chunk
+        if b"\r\n\r\n" in conn.buffer or len(conn.buffer) > limit:
+            if self._answer_here(conn):
+                return
+            self._dispatch(conn)
+
+    def _answer_here(self, conn: _Connection) -> bool:
+        """Answer plain-HTTP requests without basic auth on this thread (no hand-over to a worker and back).
+
+        Rendering takes milliseconds; the response is written without blocking, and whatever the socket does
+        not take at once goes to a worker (`pending`), so a client that does not read cannot stall this
+        thread. TLS and basic auth (a bcrypt check takes ~70 ms) always go to a worker. False: hand over.
+        """
+        if self.web_config.tls is not None or self.web_config.basic_auth is not None:
+            return False
+        while True:
+            head_and_rest = split_head(conn.buffer)
+            if head_and_rest is None:
+                return len(conn.buffer) <= self.limits.max_request_bytes  # an oversize head: a worker says 431
+            head, rest = head_and_rest
+            if len(head) > self.limits.max_request_bytes:
+                return False
+            try:
+                request = parse_request(head)
+            except BadRequest:
+                return False  # a worker answers it with its status and closes
+            conn.buffer = bytearray(rest)
+            keep_alive = request.keep_alive and not self._stopping
+            data = self._respond(request, keep_alive)
+            try:
+                sent = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._close(conn, "reset")
+                return True
+            if sent < len(data):
+                conn.pending, conn.close_after = data[sent:], not keep_alive
+                self._count("partial_writes")
+                return False
+            if not keep_alive:
+                self._close(conn, "done")
+                return True
+            now = time.monotonic()
+            conn.since = now
+            conn.request_started = now if conn.buffer else None
+
+    def _dispatch(self, conn: _Connection) -> None:
+        conn.busy = True
+        self._selector.unregister(conn.sock)
+        assert self._pool is not None
+        try:
+            self._pool.submit(self._answer, conn)
+        except RuntimeError:  # the pool is shutting down
+            self._close(conn, "stopped", unregister=False)
+
+    def _take_back(self) -> None:
+        with contextlib.suppress(OSError):
+            while self._wake_r.recv(4096):
+                pass
+        while self._returned:
+            conn = self._returned.popleft()
+            if conn.sock.fileno() < 0:
+                self._close(conn, "done", unregister=False)
+            elif self._stopping:
+                self._close(conn, "stopped", unregister=False)
+            else:
+                conn.busy = False
+                self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _sweep(self, now: float) -> None:
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
+        idle_limit = self.limits.idle_timeout_seconds
+        request_limit = self.limits.request_timeout_seconds
+        for conn in list(self._conns):
+            if conn.busy:
+                continue
+            if conn.request_started is not None:
+                if now - conn.request_started > request_limit:
+                    self._close(conn, "request_timeout")
+            elif now - conn.since > idle_limit:
+                self._close(conn, "idle_timeout")
+
+    def _close(self, conn: _Connection, reason: str, *, unregister: bool = True) -> None:
+        if unregister and not conn.busy:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.unregister(conn.sock)
+        self._conns.discard(conn)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+        self._count(f"closed_{reason}")
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged and len(self._logged) < 100:
+            self._logged.add(message)
+            log.warning("%s", message)
+
+    # -- worker threads ------------------------------------------------------------------------------
+    def _answer(self, conn: _Connection) -> None:
+        """Answer every complete request in the buffer, then hand the connection back or close it."""
+        keep_alive = True
+        try:
+            if conn.pending:  # the rest of a response begun on the selector thread
+                data, conn.pending = conn.pending, b""
+                self._send(conn, data)
+                keep_alive = not conn.close_after and not self._stopping
+                conn.since = time.monotonic()
+                conn.request_started = conn.since if conn.buffer else None
+            while keep_alive:
+                head_and_rest = split_head(conn.buffer)
+                if head_and_rest is None:
+                    if len(conn.buffer) > self.limits.max_request_bytes:
+                        self._send(conn, build_response(431, b"request head too large\n", _TEXT, keep_alive=False))
+                    keep_alive = keep_alive and len(conn.buffer) <= self.limits.max_request_bytes
+                    break
+                head, rest = head_and_rest
+                conn.buffer = bytearray(rest)
+                try:
+                    if len(head) > self.limits.max_request_bytes:
+                        raise BadRequest(431, "request head too large")
+                    request = parse_request(head)
+                except BadRequest as exc:
+                    self._count("bad_requests")
+                    self._send(conn, build_response(exc.status, f"{exc}\n".encode(), _TEXT, keep_alive=False))
+                    keep_alive = False
+                    break
+                keep_alive = request.keep_alive and not self._stopping
+                self._send(conn, self._respond(request, keep_alive))
+                if not keep_alive:
+                    break
+                conn.request_started = time.monotonic() if conn.buffer else None
+                conn.since = time.monotonic()
+        except (OSError, ValueError) as exc:  # a client gone, a write timeout, a TLS error
+            self._count("write_failed")
+            log.debug("answering %s failed: %s", conn.peer, exc)
+            keep_alive = False
+        except Exception as exc:  # never let a worker die silently
+            self._log_once(f"answering a request failed: {type(exc).__name__}: {exc}")
+            keep_alive = False
+        if not keep_alive or self._stopping:
+            with contextlib.suppress(OSError):
+                conn.sock.close()  # now, so the client sees the end at once; the selector thread forgets it
+        self._returned.append(conn)
+        self._wake()
+
+    def _send(self, conn: _Connection, data: bytes) -> None:
+        sock = conn.sock
+        sock.settimeout(self.limits.write_timeout_seconds)
+        try:
+            sock.sendall(data)
+        finally:
+            sock.setblocking(False)
+
+    def _respond(self, request: Request, keep_alive: bool) -> bytes:
+        headers = self.web_config.headers
+        head_only = request.method == "HEAD"
+        if request.method not in ("GET", "HEAD"):
+            return build_response(405, b"only GET and HEAD are served\n", _TEXT, keep_alive=keep_alive,
+                                  version=request.version, extra_headers=(("Allow", "GET, HEAD"), *headers))
+        auth = self.web_config.basic_auth
+        if auth is not None and not auth.check(request.headers.get("authorization")):
+            self._count("unauthorized")
+            return build_response(401, b"Unauthorized\n", _TEXT, keep_alive=keep_alive, version=request.version,
+                                  head_only=head_only, extra_headers=(("WWW-Authenticate", 'Basic realm="memtel"'),
+                                                                      *headers))
+        status, body, content_type = self._route(request.path)
+        self._count("requests")
+        return build_response(status, body, content_type, keep_alive=keep_alive, version=request.version,
+                              head_only=head_only, extra_headers=headers)
+
+    def _route(self, path: str) -> tuple[int, bytes, str]:
+        if path == "/metrics":
+            try:
+                return 200, generate_latest(self.registry), CONTENT_TYPE_LATEST
+            except Exception as exc:  # collectors are isolated by their wrapper; this is a last guard
+                log.exception("rendering /metrics failed")
+                return 500, f"rendering metrics failed: {exc}\n".encode(), _TEXT
+        if path == "/healthz" and self.health is not None:
+            return 200, json.dumps(self.health()).encode() + b"\n", "application/json"
+        if path == "/":
+            pages = "/metrics and /healthz" if self.health is not None else "/metrics"
+            return 200, f"{self.name}: see {pages}\n".encode(), _TEXT
+        return 404, b"not found: try /metrics\n", _TEXT
+
+
+def _bind(host: str, port: int, backlog: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {format_listen(host, port)}: {exc.strerror} "
+                          "(expected an address or host name of this machine)") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host in ("::", ""):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # [::] serves IPv4 too
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        where = format_listen(host, port)
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"cannot listen on {where}: {reason} (the address is not one of this "
+                              "machine's)") from None
+        hint = ""
+        if exc.errno == errno.EADDRINUSE:
+            hint = " (another exporter or memtel daemon is using it; choose another with --listen HOST:PORT)"
+        elif exc.errno == errno.EACCES:
+            hint = " (ports below 1024 need root or CAP_NET_BIND_SERVICE)"
+        raise ListenError(f"cannot listen on {where}: {reason}{hint}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _bounded_connections(wanted: int) -> int:
+    """`wanted`, or fewer if the open-file limit would not leave room for the process's own files."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    allowed = max(8, soft - _FD_RESERVE)
+    if allowed < wanted:
+        log.warning("open-file limit %d: serving at most %d connections at once (raise LimitNOFILE= for more)",
+                    soft, allowed)
+    return min(wanted, allowed)
+
+
+__all__ = ["ListenError", "MetricsServer", "ServerLimits"]

@@ -1,0 +1,201 @@
+"""`memtel flight show`: print or plot the flight recorder's records (this boot's or the previous one's).
+
+    memtel flight show [--state-dir DIR] [--boot previous|current] [--last 120s] [--json|--csv] [--plot FILE.png]
+
+The default output is a table of the signals that tell how a boot ended (headroom, MemAvailable,
+contiguous free memory, unaccounted memory, GPU power, kernel-log counters); `--json` (one object per
+line) and `--csv` give every recorded series. Torn or corrupt records are skipped with one line on
+stderr. Reading never changes the ring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from telemetry.errors import ConfigError, RunError
+from telemetry.flight.duration import parse_duration
+from telemetry.flight.recorder import CURRENT_RING, HEADROOM_SERIES, PREVIOUS_RING
+from telemetry.flight.ring import Record, RingContents, RingFormatError, read_ring
+
+GIB = 1024**3
+# (column title, series, scale): the table's columns; a series a record lacks shows as "-".
+TABLE_COLUMNS = (
+    ("headroom GiB", HEADROOM_SERIES, GIB),
+    ("MemAvailable GiB", "memtel_node_mem_available_bytes", GIB),
+    ("contig>=2MiB GiB", "memtel_node_mem_free_contiguous_bytes", GIB),
+    ("unaccounted GiB", "memtel_node_mem_unaccounted_bytes", GIB),
+    ("swap used GiB", "memtel_node_swap_used_bytes", GIB),
+)
+POWER_PREFIX = "memtel_gpu_power_watts{"
+KERNEL_COUNTERS = (
+    ("NV_ERR", "memtel_kernel_nv_err_no_memory_total"),
+    ("OOM kills", "memtel_kernel_oom_kills_total"),
+)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="flight_action", metavar="ACTION")
+    show = actions.add_parser("show", help="print or plot the recorded records",
+                              description="Print or plot the flight recorder's records.")
+    show.add_argument("--state-dir", metavar="DIR",
+                      help="the daemon's state directory (default: the daemon's default; the ring is in DIR/flight)")
+    show.add_argument("--boot", choices=("current", "previous"), default="current",
+                      help="this boot's ring, or the ring of the boot before (default current)")
+    show.add_argument("--last", metavar="DURATION", help="only the last DURATION before the newest record (e.g. 120s)")
+    output = show.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="one JSON object per record, every series")
+    output.add_argument("--csv", action="store_true", help="CSV with one column per series")
+    show.add_argument("--plot", metavar="FILE.png", help="also plot headroom and memory over time into FILE.png")
+
+
+def ring_path(state_dir: str | None, boot: str) -> Path:
+    if state_dir is None:
+        from telemetry.daemon.config import default_state_dir
+
+        directory = default_state_dir() / "flight"
+    else:
+        directory = Path(state_dir) / "flight"
+    return directory / (PREVIOUS_RING if boot == "previous" else CURRENT_RING)
+
+
+def load(path: Path, boot: str) -> RingContents:
+    if not os.path.lexists(path):
+        hint = ("no ring of an earlier boot has been kept yet" if boot == "previous"
+                else "the recorder runs when `memtel daemon` is given --state-dir")
+        raise ConfigError(f"no flight ring at {path} ({hint})")
+    try:
+        return read_ring(path)
+    except RingFormatError as exc:
+        raise RunError(f"{path} is not a readable flight ring: {exc}") from None
+    except OSError as exc:
+        raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def select_last(records: list[Record], seconds: float | None) -> list[Record]:
+    if seconds is None or not records:
+        return records
+    newest = records[-1].time
+    return [r for r in records if r.time >= newest - seconds]
+
+
+def _iso(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(timestamp)) + f".{int(timestamp % 1 * 1000):03d}Z"
+
+
+def power_watts(record: Record) -> float | None:
+    watts = [v for k, v in record.values.items() if k.startswith(POWER_PREFIX)]
+    return sum(watts) if watts else None
+
+
+def table(contents: RingContents, records: list[Record], out) -> None:
+    header = contents.header
+    span = f"{_iso(records[0].time)} to {_iso(records[-1].time)}" if records else "no records"
+    print(f"boot {header.boot_id}: {len(records)} record(s), {span}", file=out)
+    titles = ["time (UTC)", *(t for t, _, _ in TABLE_COLUMNS), "GPU power W", *(t for t, _ in KERNEL_COUNTERS)]
+    rows = []
+    for record in records:
+        row = [_iso(record.time)]
+        for _, series, scale in TABLE_COLUMNS:
+            value = record.values.get(series)
+            row.append("-" if value is None else f"{value / scale:.2f}")
+        power = power_watts(record)
+        row.append("-" if power is None else f"{power:.1f}")
+        for _, series in KERNEL_COUNTERS:
+            value = record.values.get(series)
+            row.append("-" if value is None else f"{value:.0f}")
+        rows.append(row)
+    widths = [max(len(titles[i]), *(len(r[i]) for r in rows)) if rows else len(titles[i]) for i in range(len(titles))]
+    print("  ".join(t.rjust(w) for t, w in zip(titles, widths, strict=False)), file=out)
+    for row in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=False)), file=out)
+
+
+def as_json(contents: RingContents, records: list[Record], out) -> None:
+    for record in records:
+        out.write(json.dumps({"seq": record.seq, "time": record.time, "boot_id": contents.header.boot_id,
+                              "values": record.values}) + "\n")
+
+
+def as_csv(records: list[Record], out) -> None:
+    keys = sorted({k for r in records for k in r.values})
+    writer = csv.writer(out)
+    writer.writerow(["seq", "time", *keys])
+    for record in records:
+        writer.writerow([record.seq, repr(record.time), *(repr(record.values[k]) if k in record.values else ""
+                                                          for k in keys)])
+
+
+def plot(contents: RingContents, records: list[Record], path: str) -> None:
+    target = Path(path)
+    if target.is_dir() or not target.name:
+        raise ConfigError(f"--plot {path}: expected a file name (e.g. last-boot.png), got a directory")
+    if not target.parent.is_dir():
+        raise ConfigError(f"--plot {path}: the directory {target.parent} does not exist")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RunError("--plot needs matplotlib, which the harness extra installs: pip install 'memtel[harness]'") \
+            from None
+    if not records:
+        raise RunError("--plot: no records to plot")
+    newest = records[-1].time
+    seconds = [r.time - newest for r in records]
+    figure, axes = plt.subplots(figsize=(10, 5))
+    for title, series, scale in TABLE_COLUMNS[:4]:
+        points = [(s, r.values[series] / scale) for s, r in zip(seconds, records, strict=False) if series in r.values]
+        if points:
+            axes.plot([p[0] for p in points], [p[1] for p in points], label=title.replace(" GiB", ""))
+    nv_err = [(s, r.values.get("memtel_kernel_nv_err_no_memory_total")) for s, r in zip(seconds, records, strict=False)]
+    for (_, before), (s, after) in itertools.pairwise(nv_err):
+        if before is not None and after is not None and after > before:
+            axes.axvline(s, color="red", alpha=0.3, linewidth=1)
+    axes.set_xlabel("seconds before the last record")
+    axes.set_ylabel("GiB")
+    axes.set_title(f"memtel flight recorder, boot {contents.header.boot_id} (red: NV_ERR_NO_MEMORY lines)")
+    axes.legend(loc="best")
+    axes.grid(alpha=0.3)
+    power = [(s, power_watts(r)) for s, r in zip(seconds, records, strict=False)]
+    if any(w is not None for _, w in power):
+        twin = axes.twinx()
+        twin.plot([s for s, w in power if w is not None], [w for _, w in power if w is not None], color="gray",
+                  linestyle=":", label="GPU power")
+        twin.set_ylabel("GPU power W")
+    figure.tight_layout()
+    try:
+        figure.savefig(target)
+    except OSError as exc:
+        raise RunError(f"--plot {path}: cannot write: {exc.strerror or exc}") from None
+    finally:
+        plt.close(figure)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.flight_action != "show":
+        print("memtel flight: choose an action: show (see memtel flight show --help)", file=sys.stderr)
+        return 2
+    seconds = parse_duration(args.last, "--last") if args.last is not None else None
+    path = ring_path(args.state_dir, args.boot)
+    contents = load(path, args.boot)
+    if contents.corrupt or contents.problems:
+        print(f"memtel flight: {path}: skipped {contents.corrupt} torn or corrupt record(s)"
+              + (f" ({'; '.join(contents.problems)})" if contents.problems else ""), file=sys.stderr)
+    records = select_last(contents.records, seconds)
+    if args.plot:
+        plot(contents, records, args.plot)
+    if args.json:
+        as_json(contents, records, sys.stdout)
+    elif args.csv:
+        as_csv(records, sys.stdout)
+    else:
+        table(contents, records, sys.stdout)
+    return 0

@@ -1,0 +1,174 @@
+"""The hook's one configuration: every setting with its default, its check and its MEMTEL_* variable.
+
+`install(targets, **options)`, the vLLM plugin (`HookConfig.from_env`) and any later entry point build
+this one frozen object, and the session builds everything else from it. A new setting is one field:
+its default, its check in `__post_init__` and, if it can be set from the environment, `env(NAME, parser)`
+in the field's metadata (the parser turns the variable's text into the value or raises ConfigError
+saying what is expected). An unset or blank variable leaves the default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from telemetry.errors import ConfigError
+from telemetry.hook.targets import parse_target, parse_targets
+from telemetry.procfs.meminfo import MEMINFO_PATH
+
+DEFAULT_PORT = 9200
+DEFAULT_UNRESOLVED_AFTER_S = 300.0
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def env(name: str, parse: Callable[[str, str], Any]) -> dict[str, Any]:
+    """Field metadata: the setting is read from environment variable `name` with `parse(name, text)`."""
+    return {"env": name, "parse": parse}
+
+
+def parse_flag(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={text!r} is not a boolean: expected 1/0, true/false, yes/no or on/off")
+
+
+def parse_port(name: str, text: str) -> int | None:
+    """A port in 1..65535 written in ASCII digits, or "off" (no exporter)."""
+    value = text.strip()
+    if value.lower() == "off":
+        return None
+    # str.isdigit() alone accepts other scripts' digits ("９２００", "٩٢٠٠"), which int() then reads.
+    if not (value.isascii() and value.isdigit() and 0 < int(value) < 65536):
+        raise ConfigError(f"{name}={text!r} is not a port: expected an integer in 1..65535 written in ASCII "
+                          'digits (each process listens on MEMTEL_PORT + its local rank) or "off"')
+    return int(value)
+
+
+def parse_text(name: str, text: str) -> str:
+    return text.strip()
+
+
+def parse_path(name: str, text: str) -> str:
+    return text  # a path is taken as written (it may start or end with a space)
+
+
+def parse_target_list(name: str, text: str) -> tuple[str, ...]:
+    try:
+        return tuple(t.name for t in parse_targets(text))
+    except ConfigError as error:
+        raise ConfigError(f"{name}: {error}") from None
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """Everything the hook of one process is told. Frozen: built once, then only read."""
+
+    # "package.module:function" / "package.module:Class.method" names; presets expanded (a comma-separated
+    # string or a list is accepted and normalised).
+    targets: tuple[str, ...] = field(metadata=env("MEMTEL_TARGETS", parse_target_list))
+    # The exporter listens on port + local rank once the process records (None: no exporter).
+    port: int | None = field(default=DEFAULT_PORT, metadata=env("MEMTEL_PORT", parse_port))
+    addr: str = field(default="0.0.0.0", metadata=env("MEMTEL_ADDR", parse_text))
+    # The exporter toolkit's web config file (TLS, basic auth) for the exporter; None: plain HTTP.
+    web_config: str | None = field(default=None, metadata=env("MEMTEL_WEB_CONFIG", parse_path))
+    # Directory of the per-call JSONL log (None: no log); created 0700 if missing, refused if unsafe.
+    log_dir: str | None = field(default=None, metadata=env("MEMTEL_LOG_DIR", parse_path))
+    # Add [rows, cols] of the first tensor argument to each record.
+    record_shape: bool = field(default=False, metadata=env("MEMTEL_RECORD_SHAPE", parse_flag))
+    flush_interval_s: float = 0.5   # the log's writer wakes at least this often
+    flush_records: int = 4096       # and when this many records wait
+    max_queue: int = 65536          # records waiting for the writer, at most; more are dropped and counted
+    # Targets whose return means the model is loaded: targets still unresolved then are reported.
+    model_loaded: tuple[str, ...] = ()
+    # Also report unresolved targets this long after install (None: only at model_loaded).
+    unresolved_after_s: float | None = DEFAULT_UNRESOLVED_AFTER_S
+    node: str | None = None         # the `node` label and record field (None: the host name)
+    meminfo_path: str = MEMINFO_PATH
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise once, here
+        set_(self, "targets", _target_names(self.targets, presets_allowed=True))
+        set_(self, "model_loaded", _target_names(self.model_loaded, presets_allowed=False, empty_ok=True))
+        port = self.port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise ConfigError(f"port must be an integer in 1..65535 (or None for no exporter), got {port!r}")
+        if not isinstance(self.addr, str) or not self.addr:
+            raise ConfigError(f"addr must be a host name or address to bind, got {self.addr!r}")
+        for name, what in (("log_dir", "a directory path (or None for no log)"),
+                           ("web_config", "a web config file path (or None for plain HTTP)")):
+            value = getattr(self, name)
+            if value is not None:
+                path = os.fspath(value)
+                if not isinstance(path, str) or not path or "\0" in path:
+                    raise ConfigError(f"{name} must be {what}, got {value!r}")
+                set_(self, name, path)
+        if not isinstance(self.record_shape, bool):
+            raise ConfigError(f"record_shape must be True or False, got {self.record_shape!r}")
+        for name in ("flush_records", "max_queue"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not _positive_seconds(self.flush_interval_s):
+            raise ConfigError(f"flush_interval_s must be a positive number of seconds, got {self.flush_interval_s!r}")
+        if self.unresolved_after_s is not None and not _positive_seconds(self.unresolved_after_s):
+            raise ConfigError(f"unresolved_after_s must be a positive number of seconds or None, "
+                              f"got {self.unresolved_after_s!r}")
+        if self.node is not None and (not isinstance(self.node, str) or not self.node):
+            raise ConfigError(f"node must be a non-empty name (or None for the host name), got {self.node!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **defaults: Any) -> HookConfig | None:
+        """The configuration in `environ` (MEMTEL_*), None when the hook is off.
+
+        Off unless MEMTEL_TARGETS is set (MEMTEL_ENABLE=0 turns it off anyway). `defaults` set the fields
+        the environment does not name (the vLLM plugin's `model_loaded`). A bad value raises ConfigError
+        naming the variable and what it expects.
+        """
+        targets = environ.get("MEMTEL_TARGETS", "")
+        enable = environ.get("MEMTEL_ENABLE", "")
+        if not (parse_flag("MEMTEL_ENABLE", enable) if enable.strip() else bool(targets.strip())):
+            return None
+        if not targets.strip():
+            raise ConfigError("MEMTEL_ENABLE is on but MEMTEL_TARGETS is empty: expected comma-separated "
+                              '"package.module:function" targets or preset names')
+        values = dict(defaults)
+        for setting in fields(cls):
+            name = setting.metadata.get("env")
+            text = environ.get(name, "") if name else ""
+            if text.strip():
+                values[setting.name] = setting.metadata["parse"](name, text)
+        return cls(**values)
+
+    def options(self) -> dict[str, Any]:
+        """Every setting but the targets (two installs in one process must agree on these)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "targets"}
+
+
+ENV_VARIABLES = ("MEMTEL_ENABLE", *(f.metadata["env"] for f in fields(HookConfig) if "env" in f.metadata))
+
+
+def _positive_seconds(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def _target_names(value: object, *, presets_allowed: bool, empty_ok: bool = False) -> tuple[str, ...]:
+    if isinstance(value, (str, list, tuple)) and not value and empty_ok:
+        return ()
+    if not isinstance(value, (str, Iterable)):
+        raise ConfigError(f"targets must be a list of target names or one comma-separated string, got {value!r}")
+    if presets_allowed:
+        return tuple(t.name for t in parse_targets(value))
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return tuple(dict.fromkeys(parse_target(item).name for item in items if item != ""))
+
+
+__all__ = ["DEFAULT_PORT", "ENV_VARIABLES", "HookConfig", "env", "parse_flag", "parse_port"]

@@ -1,0 +1,252 @@
+"""The per-call JSONL log of one process: a bounded queue on the hot path, a writer thread for the I/O.
+
+The hot path formats its record into one line (line_format.SiteLine) and appends it to a deque: no
+lock, no I/O. The writer thread joins the waiting lines and writes them when `flush_records` wait,
+every `flush_interval_s`, and at exit. A full queue drops the record and counts it, so a stalled disk
+never blocks the serving thread.
+
+The file is opened the way every memtel file is (telemetry/safefs.py): in a directory this user owns
+and no one else can write (created 0700 if missing), `O_NOFOLLOW`, mode 0600. An unsafe directory or
+a file that cannot be opened is one log line and no log; the hook goes on without it.
+
+A failing disk never reaches the host: a write that fails (ENOSPC, EIO) drops the records that did not
+reach the file whole, counts them (`memtel_hook_log_dropped_records_total{reason="write_failed"}`), cuts
+a partly written line back off the file (no torn lines), logs at most one line a minute and never
+raises, not even from `flush()`. Writing resumes when the disk has room again.
+
+Why format on the hot path: the writer thread shares the GIL with the serving thread, so formatting
+costs the serving thread the same time on either thread; done here it needs no intermediate record,
+and a queued string is not tracked by the garbage collector (a queue of tuples is).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import math
+import os
+import threading
+import time
+
+from telemetry.allocator_counters import AllocatorCounters
+from telemetry.hook.call_log import log_file_name  # the file-name pattern, beside the log's reader
+from telemetry.hook.line_format import SiteLine
+from telemetry.hook.state import QUEUE_FULL, WRITE_FAILED, HookState
+from telemetry.safefs import UnsafePathError, ensure_private_dir, open_private
+
+log = logging.getLogger("memtel.hook")
+
+WRITE_CHUNK_LINES = 128        # lines joined per write (~300 bytes each)
+WARNING_INTERVAL_S = 60.0      # at most one "write failed" log line per this many seconds
+
+
+class CallLogWriter:
+    """The call log of this process: `push` on the hot path, `flush` from the writer thread."""
+
+    def __init__(self, directory: str, state: HookState, *, max_queue: int, flush_records: int,
+                 flush_interval_s: float) -> None:
+        self.directory = directory
+        self.state = state
+        self._max_queue = max_queue
+        self._flush_records = flush_records
+        self._flush_interval_s = flush_interval_s
+        self._reset_process_state()
+
+    def _reset_process_state(self) -> None:
+        """What belongs to one process: a forked child starts again from here."""
+        self.written = 0      # records that reached the file whole
+        self._queue: collections.deque[str] = collections.deque()
+        self._early: list[tuple] = []   # records pushed before open() finished (another thread's first call)
+        self._wake = threading.Event()
+        self._stop = False
+        self._io_lock = threading.RLock()  # re-entrant: a SIGTERM flush may interrupt a flush
+        self._thread: threading.Thread | None = None
+        self._fd: int | None = None
+        self._size = 0        # bytes of whole lines in the file: where a torn line is cut back to
+        self._torn = False    # a partial line could not be cut off yet: nothing is written before it is
+        self._lines: dict[str, SiteLine] = {}
+        self._rank: int | None = None
+        self._pid = os.getpid()
+        self.path: str | None = None
+        self._last_warning = -math.inf
+        self._unreported = 0  # records dropped since the last warning line
+
+    def open(self, rank: int) -> bool:
+        """Create the file and start the writer (once per process, when it starts recording).
+
+        False, with one log line and `memtel_hook_errors_total{stage="log_open"}`, where the directory is
+        unsafe or the file cannot be opened: the hook then runs without a log.
+        """
+        pid = os.getpid()
+        path = os.path.join(self.directory, log_file_name(rank, pid))
+        try:
+            ensure_private_dir(self.directory, what="call log directory (MEMTEL_LOG_DIR)")
+            fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        except UnsafePathError as error:
+            return self._refuse(str(error))
+        except OSError as error:
+            why = ("it is a symbolic link; expected a regular file or none" if error.errno == errno.ELOOP
+                   else error.strerror or str(error))
+            return self._refuse(f"cannot open {path}: {why}")
+        try:
+            self._size = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            return self._refuse(f"cannot read the size of {path}")
+        self._fd, self.path, self._rank, self._pid = fd, path, rank, pid
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="memtel-call-log-writer", daemon=True)
+        self._thread.start()
+        return True
+
+    def _refuse(self, why: str) -> bool:
+        log.error("memtel: call log off in pid %d: %s; the hook goes on without it", os.getpid(), why)
+        self.state.count_error("", "log_open")
+        return False
+
+    # hot path
+    def push(self, ts_ns: int, call: int, site: str, device: str, allocator: AllocatorCounters | None,
+             available: int | None, swap_free: int | None, shape: list[int] | None = None) -> None:
+        queue = self._queue
+        if len(queue) >= self._max_queue:
+            self.state.count_log_dropped(QUEUE_FULL, 1)
+            return
+        line = self._lines.get(site)
+        if line is None or line.device != device:
+            if self._rank is None:  # another thread's record while the first one opens the log
+                self._early.append((ts_ns, call, site, device, allocator, available, swap_free, shape))
+                return
+            line = self._lines[site] = SiteLine(site, device, self._rank, self._pid, self.state.node)
+        queue.append(line.format(ts_ns, call, allocator, available, swap_free, shape))
+        if len(queue) >= self._flush_records and not self._wake.is_set():
+            self._wake.set()
+
+    # writer side
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(self._flush_interval_s)
+            self._wake.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every waiting record now (writer thread, exit, SIGTERM, `handle.flush()`). Never raises."""
+        try:
+            with self._io_lock:
+                lines = self._take()
+                if lines:
+                    self._write(lines)
+        except Exception as error:  # a bug or an odd file system: never into the host
+            self.state.count_error("", "log_write")
+            self._warn(f"writing failed unexpectedly ({error!r})", 0)
+
+    def _take(self) -> list[str]:
+        if self._rank is None:
+            return []
+        lines = []
+        early = self._early   # never swapped: a late append stays for the next flush
+        for _ in range(len(early)):
+            ts_ns, call, site, device, allocator, available, swap_free, shape = early.pop(0)
+            line = self._lines.get(site)
+            if line is None or line.device != device:
+                line = self._lines[site] = SiteLine(site, device, self._rank, self._pid, self.state.node)
+            lines.append(line.format(ts_ns, call, allocator, available, swap_free, shape))
+        queue = self._queue
+        popleft = queue.popleft
+        # Only what is queued now: the hot path appends concurrently, on the right.
+        lines += [popleft() for _ in range(len(queue))]
+        return lines
+
+    def _write(self, lines: list[str]) -> None:
+        fd = self._fd
+        if fd is None or (self._torn and not self._cut_back(fd)):
+            self._dropped(len(lines), "the file is closed" if fd is None else "a torn line could not be cut off")
+            return
+        written = 0
+        # In chunks of ~40 kB: one join of everything (MBs) costs 3x as much, page faults on a fresh
+        # buffer each time (BENCHMARKS.md, "Hook overhead").
+        for start in range(0, len(lines), WRITE_CHUNK_LINES):
+            chunk = lines[start:start + WRITE_CHUNK_LINES]
+            data = "".join(chunk).encode()
+            done, error = _write_some(fd, data)
+            if error is None:
+                self._size += done
+                written += len(chunk)
+                continue
+            # Keep the whole lines that reached the file; cut a partial one back off.
+            whole = data.rfind(b"\n", 0, done) + 1
+            written += data.count(b"\n", 0, whole)
+            self._size += whole
+            if whole < done:
+                self._torn = True
+                self._cut_back(fd)
+            self.written += written
+            self._dropped(len(lines) - written, error.strerror or str(error))
+            return
+        self.written += written
+
+    def _cut_back(self, fd: int) -> bool:
+        try:
+            os.ftruncate(fd, self._size)
+        except OSError:
+            return False
+        self._torn = False
+        return True
+
+    def _dropped(self, records: int, why: str) -> None:
+        self.state.count_log_dropped(WRITE_FAILED, records)
+        self.state.count_error("", "log_write")
+        self._warn(f"write failed ({why})", records)
+
+    def _warn(self, what: str, dropped: int) -> None:
+        self._unreported += dropped
+        now = time.monotonic()
+        if now - self._last_warning < WARNING_INTERVAL_S:
+            return
+        self._last_warning = now
+        log.warning("memtel: call log %s: %s; %d records dropped since the last such line "
+                    "(memtel_hook_log_dropped_records_total); the hook goes on, this line repeats at most once "
+                    "a minute", self.path, what, self._unreported)
+        self._unreported = 0
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+            thread.join(timeout)
+        self.flush()
+        with self._io_lock:
+            if self._fd is not None:
+                try:
+                    os.close(self._fd)
+                except OSError:
+                    pass
+                self._fd = None
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's queue, file and thread are not ours."""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)  # the child's copy of the parent's descriptor
+            except OSError:
+                pass
+        self._reset_process_state()
+
+
+def _write_some(fd: int, data: bytes) -> tuple[int, OSError | None]:
+    """Write all of `data`, retrying short writes; (bytes written, the error that stopped it or None)."""
+    view = memoryview(data)
+    done = 0
+    while done < len(data):
+        try:
+            written = os.write(fd, view[done:])
+        except OSError as error:
+            return done, error
+        if written <= 0:
+            return done, OSError(errno.EIO, f"write returned {written}")
+        done += written
+    return done, None
+
+
+__all__ = ["WARNING_INTERVAL_S", "CallLogWriter", "log_file_name"]
