@@ -8,11 +8,17 @@ public `torch.cuda.memory_stats()`: slower, but the same counters; the hook says
 and in `memtel_hook_allocator_reader_info{reader}`. The lab server replaces the source with its
 simulator through `set_allocator_source` (docs/architecture.md, "Allocator source").
 
+The live forecast's thread (telemetry/hook/forecast) also asks the reader for the allocator's segments,
+`snapshot()`: `torch.cuda.memory_snapshot()` for CUDA, the source's `snapshot` callable otherwise. Never
+on the hooked call's path.
+
 torch is never imported here: a process that has not imported torch has no allocator to read.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import sys
 import threading
@@ -100,18 +106,57 @@ class CudaAllocatorReader:
         self._binding = binding
         return binding
 
+    def snapshot(self) -> tuple[Any, int | None] | None:
+        """(the segments of `torch.cuda.memory_snapshot()`, this reader's device index), or None before a hooked
+        call bound the device (a new thread's current device is not the serving thread's). torch takes each
+        device allocator's lock while it copies the segments: the copy is the state between two allocator calls."""
+        torch = self._torch
+        if self._binding is None or torch is None:
+            return None
+        return cuda_memory_snapshot(torch), self._device
+
+
+def cuda_memory_snapshot(torch: Any) -> Any:
+    """`torch.cuda.memory_snapshot()`, without the allocation history where this torch can leave it out."""
+    snapshot = torch.cuda.memory_snapshot
+    if _takes_include_traces(snapshot):
+        return snapshot(include_traces=False)
+    return snapshot()
+
+
+@functools.lru_cache(maxsize=4)
+def _takes_include_traces(function: Callable[..., Any]) -> bool:
+    try:
+        return "include_traces" in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+SnapshotSource = Callable[[], Any]
+
 
 class SourceReader:
-    """Adapts an allocator source `fn() -> AllocatorCounters | dict | None` (the lab's simulator)."""
+    """Adapts an allocator source `fn() -> AllocatorCounters | dict | None` (the lab's simulator), and its
+    `snapshot() -> segments | None` when it has one."""
 
     kind = ALLOCATOR_SOURCE
 
-    def __init__(self, source: Callable[[], AllocatorCounters | Mapping[str, int] | None], device: str) -> None:
+    def __init__(self, source: Callable[[], AllocatorCounters | Mapping[str, int] | None], device: str,
+                 snapshot: SnapshotSource | None = None) -> None:
         self.source = source
         self.device = device
+        self.snapshot_source = snapshot
 
     def reset(self) -> None:
         pass
+
+    def snapshot(self) -> tuple[Any, int | None] | None:
+        """(the source's segments in `torch.cuda.memory_snapshot()`'s format, None), or None without a snapshot
+        callable or when it returns None."""
+        if self.snapshot_source is None:
+            return None
+        segments = self.snapshot_source()
+        return None if segments is None else (segments, None)
 
     def read(self) -> AllocatorCounters | None:
         values = self.source()
@@ -128,19 +173,25 @@ _reader: AllocatorReader = CudaAllocatorReader()
 
 
 def set_allocator_source(source: Callable[[], AllocatorCounters | Mapping[str, int] | None] | None, *,
-                         device: str = "sim") -> None:
+                         device: str = "sim", snapshot: SnapshotSource | None = None) -> None:
     """Make the hook read `source()` after each call instead of the CUDA allocator.
 
     `source()` returns `AllocatorCounters`, a dict with the keys in FIELDS, or None when there is nothing
-    to read. `device` is what the per-call records name as their device. `None` restores the default
-    (the CUDA caching allocator).
+    to read. `device` is what the per-call records name as their device. `snapshot()`, if given, returns
+    the allocator's segments in `torch.cuda.memory_snapshot()`'s format (the simulator's `snapshot()`) for
+    the live forecast; it is called from the forecast's thread, so it must return the state between two
+    allocator calls (take the lock the allocator's users take). `None` restores the default (the CUDA
+    caching allocator).
     """
     global _reader
     if source is not None and not callable(source):
         raise ConfigError(f"allocator source must be a callable returning AllocatorCounters or a dict with keys "
                           f"{', '.join(FIELDS)}, got {source!r}")
+    if snapshot is not None and (source is None or not callable(snapshot)):
+        raise ConfigError(f"allocator snapshot must be a callable returning memory_snapshot() segments, given with "
+                          f"a source, got {snapshot!r}")
     with _lock:
-        _reader = CudaAllocatorReader() if source is None else SourceReader(source, device)
+        _reader = CudaAllocatorReader() if source is None else SourceReader(source, device, snapshot)
 
 
 def current_reader() -> AllocatorReader:
@@ -148,4 +199,4 @@ def current_reader() -> AllocatorReader:
 
 
 __all__ = ["ALLOCATOR_SOURCE", "NESTED_BINDING", "PUBLIC_MEMORY_STATS", "AllocatorReader", "CudaAllocatorReader",
-           "SourceReader", "current_reader", "set_allocator_source"]
+           "SnapshotSource", "SourceReader", "cuda_memory_snapshot", "current_reader", "set_allocator_source"]

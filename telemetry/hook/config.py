@@ -90,6 +90,8 @@ class HookConfig:
     model_loaded: tuple[str, ...] = ()
     # Also report unresolved targets this long after install (None: only at model_loaded).
     unresolved_after_s: float | None = DEFAULT_UNRESOLVED_AFTER_S
+    # Also report them when a process makes its first hooked call (memtel run sets it: docs/hook.md).
+    unresolved_at_first_call: bool = False
     node: str | None = None         # the `node` label and record field (None: the host name)
     meminfo_path: str = MEMINFO_PATH
 
@@ -110,8 +112,9 @@ class HookConfig:
                 if not isinstance(path, str) or not path or "\0" in path:
                     raise ConfigError(f"{name} must be {what}, got {value!r}")
                 set_(self, name, path)
-        if not isinstance(self.record_shape, bool):
-            raise ConfigError(f"record_shape must be True or False, got {self.record_shape!r}")
+        for name in ("record_shape", "unresolved_at_first_call"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("flush_records", "max_queue"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -63,8 +63,9 @@ Wrapper = Callable[[Callable, Target], Callable]
 
 def _why(target: str, status: str) -> str:
     if status == NOT_IN_MODEL:
-        layer = presets.LAYERS[target].partition(":")[2]
-        return f"hooked, but the loaded model has no {layer} layer: it never runs"
+        names = [layer.partition(":")[2] for layer in presets.LAYERS[target]]
+        layers = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        return f"hooked, but the loaded model has no {layers} layer: it never runs"
     return _UNRESOLVED_WHY.get(status, status)
 
 
@@ -113,10 +114,11 @@ class HookHandle:
         exporter = self._session.exporter
         return exporter.port if exporter is not None else None
 
-    def check_unresolved(self) -> dict[str, str]:
+    def check_unresolved(self, when: str = "when asked") -> dict[str, str]:
         """Report the targets not resolved now, once (a warning and memtel_hook_unresolved_targets), and start
-        this process's exporter and log: what the model-loaded signal or the timer does. Returns them."""
-        return self._session.check_unresolved("when asked")
+        this process's exporter and log: what the model-loaded signal or the timer does. Returns them.
+        `when` completes the warning ("... not resolved <when> in pid N")."""
+        return self._session.check_unresolved(when)
 
     def flush(self) -> None:
         """Write every waiting call-log record now. Never raises (a failed write is counted and logged)."""
@@ -245,6 +247,8 @@ class HookSession:
             if self.recorder.log is not None:
                 self._flush_at_exit()
             self._announce(rank)
+        if self.config.unresolved_at_first_call and not self.state.unresolved_checked:
+            self.check_unresolved("at this process's first hooked call")
 
     def _start_exporter(self, rank: RankInfo) -> None:
         config = self.config
@@ -278,13 +282,16 @@ class HookSession:
                  ", ".join(hooked) or "none", ", ".join(sorted(unresolved)) or "none", exporter, call_log)
 
     def _model_loaded(self, loaded: Target, args: tuple) -> None:
-        """A model-loaded signal returned: `args[0]` is the engine's worker (`get_model()` gives the model)."""
-        get_model = getattr(args[0], "get_model", None) if args else None
-        if callable(get_model):
-            try:
-                self._mark_targets_not_in_model(get_model())
-            except Exception as error:  # another engine's worker: the install status alone is reported
-                log.debug("memtel: cannot look into the loaded model: %r", error)
+        """A model-loaded signal returned: `args[0]` is the engine's worker; its `get_model()` (vLLM) or its
+        `model` attribute (SGLang's ModelRunner) is the model."""
+        worker = args[0] if args else None
+        get_model = getattr(worker, "get_model", None)
+        try:
+            model = get_model() if callable(get_model) else getattr(worker, "model", None)
+            if model is not None:
+                self._mark_targets_not_in_model(model)
+        except Exception as error:  # another engine's worker: the install status alone is reported
+            log.debug("memtel: cannot look into the loaded model: %r", error)
         self.check_unresolved("after the model loaded")
 
     def _mark_targets_not_in_model(self, model: Any) -> None:
@@ -296,15 +303,16 @@ class HookSession:
             layers = {name: presets.LAYERS[name] for name, status in self.state.targets.items()
                       if status == INSTALLED and name in presets.LAYERS and name not in self.state.sites}
         classes: dict[str, type] = {}
-        for layer in set(layers.values()):
+        for layer in {layer for names in layers.values() for layer in names}:
             module, _, qualname = layer.partition(":")
             cls = getattr(sys.modules.get(module), qualname, None)
             if isinstance(cls, type):   # a layer class whose module was never imported has no instance
                 classes[layer] = cls
         found = {layer for module in modules() for layer, cls in classes.items() if isinstance(module, cls)}
         with self.state.lock:
-            for name, layer in layers.items():
-                if layer not in found and self.state.targets.get(name) == INSTALLED and name not in self.state.sites:
+            for name, names in layers.items():
+                if (found.isdisjoint(names) and self.state.targets.get(name) == INSTALLED
+                        and name not in self.state.sites):
                     self.state.targets[name] = NOT_IN_MODEL
 
     def check_unresolved(self, when: str) -> dict[str, str]:

@@ -99,7 +99,7 @@ def test_demo_runs_the_whole_pipeline_and_agrees_with_replay(tmp_path):
                     "## 3. Time to first token per request"):
         assert heading in headings
     # The TTFT difference between the arms on this machine is not presented as the fix's effect.
-    assert "**A TTFT difference between the arms in this run is not the fix's effect**" in report
+    assert "**a TTFT difference between the arms in this run is not the fix's effect**" in report
     ttft = report.split("## 3. Time to first token per request")[1].split("\n## ")[0]
     assert "the difference between the arms is not the fix's effect" in ttft
     assert "cudaMalloc" not in " ".join(line for line in report.splitlines() if line.startswith("| arm"))

@@ -1,0 +1,259 @@
+"""The live forecast's thread: every interval, the allocator's segments in, a forecast per prefill length out.
+
+One `Forecaster` per process with the forecast on (MEMTEL_FORECAST_TOKENS), started with the process's
+exporter. A cycle (`run_once`):
+1. the workload: `set_forecast_workload` (program), else vLLM's (read at `Worker.load_model`), else
+   MEMTEL_FORECAST_SHAPE (config), else the reference workload; none while the engine's model loads, and
+   none in a vLLM model without a sparse-attention indexer (nothing to forecast);
+2. the allocator's segments from the hook's allocator reader (`torch.cuda.memory_snapshot()`, or the
+   allocator source's snapshot), none before the first hooked call bound a device;
+3. if they, the workload and the allocator settings are what the last cycle saw, the last forecasts stand;
+   else `harness.indexer.forecast.forecast` for each length, on a simulator seeded with the segments.
+
+Never on the hooked call's path, and never raising: a failed cycle is counted by reason (`FAILURE_REASONS`),
+leaves the forecast out until the next success, and is logged at most once a minute. A daemon thread: it never
+keeps the process alive; `stop()` ends it (the session's close, at exit); a forked child starts its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from telemetry.hook import allocator
+from telemetry.hook.forecast.workload import REFERENCE, ForecastWorkload, process_alloc_conf, program_workload
+
+if TYPE_CHECKING:
+    from harness.indexer.forecast import Forecast
+
+log = logging.getLogger("memtel.hook")
+
+# Why a cycle failed (label `reason` of memtel_forecast_failures_total).
+SNAPSHOT = "snapshot"                    # taking or reading the allocator's segments failed
+UNSUPPORTED_STATE = "unsupported_state"  # the segments hold what the simulator does not model (SnapshotError)
+SETTINGS = "settings"                    # the allocator settings cannot be simulated
+SIMULATION = "simulation"                # anything else in the simulation
+FAILURE_REASONS = (SNAPSHOT, UNSUPPORTED_STATE, SETTINGS, SIMULATION)
+LOG_EVERY_S = 60.0
+
+
+@dataclass(frozen=True)
+class ForecastResults:
+    """What the collector exports: replaced whole after each cycle (readers need no lock)."""
+
+    workload: ForecastWorkload | None = None
+    forecasts: tuple[Forecast, ...] = ()     # empty: no forecast now (none yet, or the last cycle failed)
+    last_duration_s: float | None = None     # wall time of the last cycle that got an allocator state
+    last_success_s: float | None = None      # unix time of the last successful cycle
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+class Forecaster:
+    """Runs the live forecast of `tokens` every `interval_s` seconds in a daemon thread (see the module)."""
+
+    def __init__(self, tokens: tuple[int, ...], interval_s: float, *, config_workload: ForecastWorkload | None = None,
+                 waiting_for_model: Callable[[], bool] = lambda: False,
+                 reader: Callable[[], Any] = allocator.current_reader, environ: Mapping[str, str] = os.environ,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.tokens = tokens
+        self.interval_s = interval_s
+        self.config_workload = config_workload
+        self.waiting_for_model = waiting_for_model
+        self.reader = reader
+        self.environ = environ
+        self.clock = clock
+        self.results = ForecastResults()
+        self._vllm_workload: ForecastWorkload | None = None
+        self._no_indexer: str | None = None      # why vLLM's model has nothing to forecast
+        self._reference: ForecastWorkload | None = None
+        self._checked_confs: dict[str, str | None] = {}   # alloc conf -> None (simulable) or the error
+        self._reset_threads()
+
+    def _reset_threads(self) -> None:
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_key: tuple | None = None      # (segments, device, workload, alloc conf) of the last forecasts
+        self._last_log = -LOG_EVERY_S
+        self._unlogged = 0
+        self._announced: ForecastWorkload | None = None
+
+    # ---- the workload ---------------------------------------------------------------------------
+
+    def model_loaded(self, worker: Any) -> None:
+        """vLLM's `Worker.load_model` returned: read the workload from its config (never raises)."""
+        from telemetry.hook.forecast.vllm_workload import NoIndexer, read_vllm_workload
+
+        try:
+            self._vllm_workload = read_vllm_workload(worker, self.environ)
+        except NoIndexer as reason:
+            self._no_indexer = str(reason)
+            if self.config_workload is None:
+                log.info("memtel: live forecast off in pid %d: %s", os.getpid(), reason)
+        except Exception as error:   # another engine, or a vLLM that keeps its config elsewhere
+            log.warning("memtel: live forecast in pid %d: cannot read the indexer workload from the loaded engine "
+                        "(%r); using %s", os.getpid(), error,
+                        "MEMTEL_FORECAST_SHAPE" if self.config_workload else "the reference workload")
+
+    def workload(self) -> ForecastWorkload | None:
+        """The workload to forecast now; None: none yet (the model is loading) or nothing to forecast."""
+        chosen = program_workload() or self._vllm_workload or self.config_workload
+        if chosen is not None:
+            return chosen
+        if self._no_indexer is not None or self.waiting_for_model():
+            return None
+        if self._reference is None:
+            from harness.indexer.shape import REFERENCE_SHAPE
+            from telemetry.hook.forecast.workload import make_workload
+
+            self._reference = make_workload(REFERENCE_SHAPE, source=REFERENCE)
+        return self._reference
+
+    def describe(self) -> str:
+        """For the hook's announcement: what is forecast, how often, from which workload."""
+        lengths = " and ".join(f"{n:,}" for n in self.tokens)
+        head = f"{lengths} tokens every {self.interval_s:g} s"
+        workload = self.workload()
+        if workload is not None:
+            self._announced = workload   # the first cycle need not say it again
+            return f"{head}, {workload.describe()}"
+        if self._no_indexer is not None:
+            return f"off ({self._no_indexer})"
+        return f"{head}, once the model is loaded (the workload is read from the engine then)"
+
+    # ---- one cycle ------------------------------------------------------------------------------
+
+    def run_once(self) -> bool:
+        """One forecast cycle now; True if it produced forecasts (or found them current). Never raises."""
+        started = time.perf_counter()
+        try:
+            return self._cycle(started)
+        except Exception as error:
+            self._failed(SIMULATION, error, started)
+            return False
+
+    def _cycle(self, started: float) -> bool:
+        from harness.allocsim.config import AllocatorConfigError, parse_alloc_conf
+        from harness.allocsim.snapshot import SnapshotError, read_allocator_state
+        from harness.indexer.forecast import forecast
+
+        workload = self.workload()
+        if workload is None:
+            return False
+        if workload != self._announced:
+            self._announced = workload
+            log.info("memtel: live forecast in pid %d of %s tokens: %s", os.getpid(),
+                     ", ".join(f"{n:,}" for n in self.tokens), workload.describe())
+        try:
+            taken = self.reader().snapshot()
+        except Exception as error:
+            self._failed(SNAPSHOT, error, started)
+            return False
+        if taken is None:
+            return False   # no allocator yet: nothing to forecast from, nothing failed
+        segments, device = taken
+        conf = workload.alloc_conf if workload.alloc_conf is not None else process_alloc_conf(self.environ)
+        if conf not in self._checked_confs:
+            try:
+                parse_alloc_conf(conf)
+                self._checked_confs[conf] = None
+            except AllocatorConfigError as error:
+                self._checked_confs[conf] = str(error)
+        problem = self._checked_confs[conf]
+        if problem is not None:
+            self._failed(SETTINGS, problem, started)
+            return False
+        key = (segments, device, workload, conf)
+        previous = self.results
+        if key == self._last_key and previous.forecasts:
+            self._succeeded(workload, previous.forecasts, started)
+            return True
+        try:
+            state = read_allocator_state(segments, device=device, source="the live allocator")
+        except SnapshotError as error:
+            self._failed(UNSUPPORTED_STATE, error, started)
+            return False
+        except Exception as error:
+            self._failed(SNAPSHOT, error, started)
+            return False
+        results = []
+        for tokens in self.tokens:
+            if self._stop.is_set():
+                return False
+            try:
+                results.append(forecast(state, workload.shape, tokens, mode=workload.mode,  # type: ignore[arg-type]
+                                        alloc_conf=conf, pattern=workload.pattern))
+            except SnapshotError as error:
+                self._failed(UNSUPPORTED_STATE, error, started)
+                return False
+        self._last_key = key
+        self._succeeded(workload, tuple(results), started)
+        return True
+
+    def _succeeded(self, workload: ForecastWorkload, forecasts: tuple[Forecast, ...], started: float) -> None:
+        with self._lock:
+            self.results = ForecastResults(workload, forecasts, time.perf_counter() - started, self.clock(),
+                                           self.results.failures)
+
+    def _failed(self, reason: str, error: object, started: float) -> None:
+        with self._lock:
+            old = self.results
+            failures = dict(old.failures)
+            failures[reason] = failures.get(reason, 0) + 1
+            self.results = ForecastResults(old.workload, (), time.perf_counter() - started, old.last_success_s,
+                                           failures)
+            self._last_key = None
+            now = time.monotonic()
+            if now - self._last_log < LOG_EVERY_S:
+                self._unlogged += 1
+                return
+            self._last_log, unlogged, self._unlogged = now, self._unlogged, 0
+        more = f" ({unlogged} more failures in the last minute)" if unlogged else ""
+        log.warning("memtel: live forecast failed in pid %d (%s): %s%s; memtel_forecast_failures_total counts them, "
+                    "next try in %g s", os.getpid(), reason, error, more, self.interval_s)
+
+    # ---- the thread -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread (once; again in a forked child)."""
+        with self._lock:
+            if self._thread is not None or self._stop.is_set():
+                return
+            self._thread = threading.Thread(target=self._loop, args=(self._stop,), name="memtel-forecast",
+                                            daemon=True)
+            thread = self._thread
+        thread.start()
+
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.run_once()
+            stop.wait(self.interval_s)
+
+    @property
+    def running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """End the thread: it stops between two forecasts, so this waits at most one forecast (or `timeout`)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+            thread.join(timeout)
+
+    def reset_after_fork(self) -> None:
+        """A forked child has no thread and another allocator: it starts again (with its exporter)."""
+        stopped = self._stop.is_set()
+        self._reset_threads()
+        if stopped:
+            self._stop.set()
+        self.results = ForecastResults(self.results.workload)
+
+
+__all__ = ["FAILURE_REASONS", "SETTINGS", "SIMULATION", "SNAPSHOT", "UNSUPPORTED_STATE", "ForecastResults",
+           "Forecaster"]
