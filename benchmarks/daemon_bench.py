@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import machine  # noqa: E402
 from tests.support.kmsg import DAEMON_COUNTS_TEST_LINES, SKIP_REASON, opted_in, write_kmsg  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
@@ -170,14 +170,6 @@ def line_to_counter(url: str, pattern: str, token: str, lines: int) -> dict[str,
             latencies.append(time.perf_counter() - started)
             time.sleep(0.1)
     return {"p50_ms": percentile(latencies, 50) * 1e3, "max_ms": max(latencies) * 1e3, "lines": lines}
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, Linux {platform.release()}, "
-            f"Python {platform.python_version()}")
 
 
 def main() -> int:

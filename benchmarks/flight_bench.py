@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -37,41 +36,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.daemon_bench import cpu_seconds, percentile, start_daemon, wait_http  # noqa: E402
+from benchmarks.machine import machine  # noqa: E402
 from telemetry.flight.recorder import FlightRecorder, series_key  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
-def start_daemon(port: int, state_dir: str, *extra: str, tree: Path = ROOT) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "telemetry", "daemon", "--listen", f"127.0.0.1:{port}", "--state-dir", state_dir,
-         "--log-level", "warning", *extra],
-        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"daemon exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise SystemExit(f"{url} not ready after {timeout}s")
 
 
 def values_of(text: str) -> dict[str, float]:
@@ -144,14 +112,6 @@ def ring_writes(state_dir: Path, values: dict[str, float], records: int) -> dict
             "ring_file_bytes": ring.stat().st_size,
             "write_fdatasync_ms": {"p50": percentile(write, 50) * 1e3, "p99": percentile(write, 99) * 1e3},
             "encode_write_fdatasync_ms": {"p50": percentile(total, 50) * 1e3, "p99": percentile(total, 99) * 1e3}}
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, Linux {platform.release()}, "
-            f"Python {platform.python_version()}")
 
 
 def file_system(path: Path) -> str:

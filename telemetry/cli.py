@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 # name -> (module, one-line help). Order is the order shown by `memtel --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "daemon": ("telemetry.daemon.main", "run the node exporter: host memory, swap, PSI, NVML, kernel log"),
     "flight": ("telemetry.flight.cli", "show the flight recorder's last records (this boot or the previous one)"),
+    "run": ("telemetry.run.cli", "run any Python program with the hook in it and in every Python process it starts"),
     "ab": ("harness.ab.cli", "run an A/B prefill ladder against two servers, or write its report"),
     "allocsim": ("harness.allocsim.cli", "replay an op file on the caching-allocator simulator"),
     "replay": ("harness.indexer.replay", "replay the sparse indexer's logits allocations alone (cuda or sim)"),
@@ -25,10 +27,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (without its usage block), like every other bad input.
+
+    Subparsers are made of the parser's own class, so every subcommand and sub-subcommand inherits it.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     from telemetry import __version__
 
-    parser = argparse.ArgumentParser(prog="memtel", description="GPU memory growth telemetry and A/B testing.")
+    parser = OneLineArgumentParser(prog="memtel", description="GPU memory growth telemetry and A/B testing.")
     parser.add_argument("--version", action="version", version=f"memtel {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():

@@ -18,15 +18,21 @@ Environment (docs/hook.md):
   MEMTEL_WEB_CONFIG   the exporter's web config file (TLS, basic auth); unset: plain HTTP
   MEMTEL_LOG_DIR      directory of the per-call JSONL logs; unset: no log
   MEMTEL_RECORD_SHAPE 1 to add [rows, cols] of the first tensor argument to each record
+  MEMTEL_FORECAST_TOKENS, MEMTEL_FORECAST_INTERVAL_S, MEMTEL_FORECAST_SHAPE
+                      the live forecast (docs/hook.md, "Live forecast"); its workload is read from
+                      vLLM's config when Worker.load_model returns
 
-A bad value is one clear log line and telemetry off; the server itself is never affected. The
-hook's log lines (logger `memtel`) go to vLLM's log handler, so they appear in vLLM's output.
+A bad value is one clear log line and telemetry off (a bad MEMTEL_FORECAST_* value: the forecast off);
+the server itself is never affected. The
+hook's log lines (logger `memtel`) go to vLLM's log handler, so they appear in vLLM's output. Under
+`memtel run` the plugin does nothing: the run's bootstrap installed the hook in this process already.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 
 log = logging.getLogger("memtel.vllm_plugin")
@@ -59,8 +65,16 @@ def show_in_vllm_log() -> None:
     memtel.propagate = False
 
 
+def installed_by_memtel_run() -> bool:
+    """`memtel run`'s bootstrap ran in this process: it installed the hook (or said why not) already."""
+    boot = sys.modules.get("telemetry.run.boot")
+    return bool(getattr(boot, "RAN", False))
+
+
 def register(environ: Mapping[str, str] | None = None) -> None:
     """vLLM's entry point. Never raises: the server must start whatever memtel's configuration is."""
+    if installed_by_memtel_run():
+        return   # one hook per process: memtel run's (its configuration includes vLLM's model-loaded signal)
     try:
         show_in_vllm_log()
     except Exception:

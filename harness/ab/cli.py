@@ -1,4 +1,9 @@
-"""`memtel ab run LADDER.yaml [--out DIR] [--resume] [--overwrite]` and `memtel ab report DIR`."""
+"""`memtel ab run LADDER.yaml [--out DIR] [--resume] [--overwrite]` and `memtel ab report DIR`.
+
+Both exit with the run's verdict (harness/ab/report/verdict.py, docs/harness.md "Exit codes"): 0 every
+request ok and every gate passed, 3 a gate failed, 4 requests failed, 1 nothing ran or the run did not
+finish, 2 bad input, 130 interrupted (`ab run`).
+"""
 
 from __future__ import annotations
 
@@ -9,19 +14,25 @@ from pathlib import Path
 
 from telemetry.errors import ConfigError
 
+EXIT_CODES = ("exit codes: 0 every request ok and every gate passed; 1 nothing ran, or the run did not finish; "
+              "2 bad input; 3 a gate failed; 4 requests failed; 130 interrupted (docs/harness.md, \"Exit codes\")")
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="ab_command", metavar="{run,report}")
     run_parser = sub.add_parser("run", help="run a ladder file against its arms, then write the report",
                                 description="Run a ladder file: fresh serve per arm, cold prefills, telemetry "
-                                            "after each request; results.jsonl, then report.md.")
+                                            "after each request; results.jsonl, then report.md.",
+                                epilog=EXIT_CODES)
     run_parser.add_argument("ladder", type=Path, help="the ladder file (YAML); see docs/harness.md")
     run_parser.add_argument("--out", type=Path, default=None,
                             help="run directory (default: runs/<ladder name>-<UTC time>)")
     run_parser.add_argument("--resume", action="store_true", help="finish an interrupted run in --out")
     run_parser.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a run")
-    run_parser.add_argument("--no-report", action="store_true", help="do not write the report at the end")
-    report_parser = sub.add_parser("report", help="write report.md, summary.json and plots for a run directory")
+    run_parser.add_argument("--no-report", action="store_true",
+                            help="do not write the report at the end (the gates are still evaluated)")
+    report_parser = sub.add_parser("report", help="write report.md, summary.json and plots for a run directory",
+                                   epilog=EXIT_CODES)
     report_parser.add_argument("run_dir", type=Path, help="a run directory (with results.jsonl)")
 
 
@@ -50,13 +61,15 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     print(f"results: {results}")
-    if args.no_report:
-        return 0
-    return _report(results.parent)
+    return _report(results.parent, write=not args.no_report)
 
 
-def _report(run_dir: Path) -> int:
-    from harness.ab.report import write_report
+def _report(run_dir: Path, write: bool = True) -> int:
+    """Write the report (unless told not to), print the verdict, return its exit code."""
+    from harness.ab.report import Report
 
-    print(f"report: {write_report(run_dir)}")
-    return 0
+    report = Report.build(run_dir)
+    if write:
+        print(f"report: {report.write()}")
+    print(report.verdict.line.replace("**", ""))
+    return report.verdict.exit_code

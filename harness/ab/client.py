@@ -43,6 +43,7 @@ class Tokenizer:
     model: str
     api: str = "completions"
     calls: int = field(default=0)
+    seconds: float = field(default=0.0)  # spent in /tokenize calls (request to decoded answer)
     max_model_len: int | None = None
 
     def count(self, text: str) -> int:
@@ -51,6 +52,13 @@ class Tokenizer:
         else:
             body = {"model": self.model, "prompt": text}
         self.calls += 1
+        started = time.perf_counter()
+        try:
+            return self._count(body)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _count(self, body: dict) -> int:
         response = self.client.post(self.base_url + "/tokenize", json=body, timeout=300.0)
         if response.status_code != 200:
             raise RuntimeError(f"{self.base_url}/tokenize answered {response.status_code}: {response.text[:300]}")

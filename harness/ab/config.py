@@ -13,19 +13,28 @@ before the first server starts.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
+from harness import limits
+from harness.ab.gates import Gate, parse_gates
+from harness.ab.rundir import name_problem, relative_path_problem
 from telemetry.errors import ConfigError
 
 API_KINDS = ("completions", "chat")
 ARM_ORDERS = ("ABAB", "AABB")
 ON_ERROR = ("stop-arm", "continue")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+LOG_FILE_PLACEHOLDERS = {"{arm}": "arm", "{repeat}": "0"}
+# request.timeout_s is the timeout of a request of up to this many tokens; a longer step's is scaled up
+# in proportion (a prefill's time grows at least linearly with its length), unless the step sets its own.
+TIMEOUT_REFERENCE_TOKENS = 100_000
 
 
 class LadderError(ConfigError):
@@ -78,6 +87,7 @@ class Step:
     label: str
     tokens: int
     seed: int
+    timeout_s: float | None = None  # this step's request timeout; None: derived (Ladder.timeout_for)
 
 
 # The ladder of the issue: a cold ~100k prefill, another ~100k with different content, then ~200k.
@@ -96,10 +106,17 @@ class Ladder:
     order: str = "ABAB"
     on_error: str = "stop-arm"
     sample_interval_s: float = 1.0
+    gates: tuple[Gate, ...] = ()
     source: str = "<dict>"
 
     def ranks_for(self, arm: Arm) -> dict:
         return dict(arm.ranks) if arm.ranks is not None else dict(self.ranks)
+
+    def timeout_for(self, step: Step) -> float:
+        """The step's request timeout: its own, else request.timeout_s scaled by tokens / 100,000 (never less)."""
+        if step.timeout_s is not None:
+            return step.timeout_s
+        return self.request.timeout_s * max(1.0, step.tokens / TIMEOUT_REFERENCE_TOKENS)
 
     def on_error_for(self, arm: Arm) -> str:
         return arm.on_error or self.on_error
@@ -107,6 +124,10 @@ class Ladder:
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data.pop("source")
+        data["gates"] = [gate.to_dict() for gate in self.gates]  # the file's form, so it reads back the same
+        for step in data["steps"]:
+            if step.get("timeout_s") is None:
+                step.pop("timeout_s", None)
         return _plain(data)
 
     @classmethod
@@ -115,15 +136,16 @@ class Ladder:
 
 
 def load_ladder(path: str | Path) -> Ladder:
+    """The validated ladder of a YAML file: at most 1 MiB, UTF-8, aliases within bounds (telemetry/safeyaml.py)."""
+    from telemetry.safeyaml import load_yaml_file
+
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise LadderError(f"{path}: cannot read the ladder file ({exc.strerror or exc})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise LadderError(f"{path}: not valid YAML: {exc}") from None
+        data = load_yaml_file(path, "the ladder file", aliases=True)  # the profiles share `serve` with `<<: *serve`
+    except LadderError:
+        raise
+    except ConfigError as exc:
+        raise LadderError(str(exc)) from None
     ladder = Ladder.from_dict(data, source=str(path))
     return _resolve_paths(ladder, path.parent)
 
@@ -183,23 +205,36 @@ class _Parser:
                 raise self.fail(_join(path, key), "missing (required)")
         return data
 
-    def string(self, value: Any, path: str) -> str:
+    def string(self, value: Any, path: str, max_chars: int = limits.MAX_TEXT_CHARS) -> str:
         if not isinstance(value, str) or not value.strip():
             raise self.fail(path, f"expected a non-empty string, got {_kind(value)}")
+        if len(value) > max_chars:
+            raise self.fail(path, f"expected at most {max_chars:,} characters, got {len(value):,}")
+        if "\0" in value:
+            raise self.fail(path, "contains a NUL character")
         return value
 
-    def integer(self, value: Any, path: str, minimum: int | None = None) -> int:
+    def integer(self, value: Any, path: str, minimum: int | None = None, maximum: int | None = None) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(path, f"expected an integer, got {_kind(value)}")
         if minimum is not None and value < minimum:
-            raise self.fail(path, f"expected an integer >= {minimum}, got {value}")
+            raise self.fail(path, f"expected an integer >= {minimum:,}, got {_int_text(value)}")
+        if maximum is not None and value > maximum:
+            raise self.fail(path, f"expected an integer <= {maximum:,}, got {_int_text(value)}")
         return value
 
     def number(self, value: Any, path: str, minimum: float | None = None, maximum: float | None = None) -> float:
+        """A finite number (NaN and infinity are refused) within the bounds given."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(path, f"expected a number, got {_kind(value)}")
+        if isinstance(value, int) and abs(value) > 2**53:
+            raise self.fail(path, f"expected a number of at most 2^53, got {_kind(value)}")
+        if not math.isfinite(value):
+            raise self.fail(path, f"expected a finite number, got {value}")
         if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-            raise self.fail(path, f"expected a number in [{minimum}, {maximum}], got {value}")
+            low = "" if minimum is None else f"{minimum:g}"
+            high = "" if maximum is None else f"{maximum:g}"
+            raise self.fail(path, f"expected a number in [{low}, {high}], got {value:g}")
         return float(value)
 
     def boolean(self, value: Any, path: str) -> bool:
@@ -214,7 +249,11 @@ class _Parser:
 
     def url(self, value: Any, path: str) -> str:
         value = self.string(value, path)
-        parts = urlsplit(value)
+        try:
+            parts = urlsplit(value)
+            _ = parts.hostname
+        except ValueError:  # e.g. an unclosed IPv6 bracket
+            raise self.fail(path, f"expected an http(s) URL such as http://127.0.0.1:8000, got {value!r}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise self.fail(path, f"expected an http(s) URL such as http://127.0.0.1:8000, got {value!r}")
         try:
@@ -228,6 +267,8 @@ class _Parser:
             return {}
         if not isinstance(value, dict):
             raise self.fail(path, f"expected a mapping of name -> /metrics URL, got {_kind(value)}")
+        if len(value) > limits.MAX_ENDPOINTS:
+            raise self.fail(path, f"expected at most {limits.MAX_ENDPOINTS:,} entries, got {len(value):,}")
         return {self.string(str(name), _join(path, str(name))): self.url(url, _join(path, str(name)))
                 for name, url in value.items()}
 
@@ -238,11 +279,12 @@ class _Parser:
         data = self.mapping(data, path, (), fields)
         out: dict[str, Any] = {}
         if "max_tokens" in data:
-            out["max_tokens"] = self.integer(data["max_tokens"], _join(path, "max_tokens"), 1)
+            out["max_tokens"] = self.integer(data["max_tokens"], _join(path, "max_tokens"), 1,
+                                             limits.MAX_OUTPUT_TOKENS)
         if "temperature" in data:
             out["temperature"] = self.number(data["temperature"], _join(path, "temperature"), 0.0, 2.0)
         if "timeout_s" in data:
-            out["timeout_s"] = self.number(data["timeout_s"], _join(path, "timeout_s"), 1.0)
+            out["timeout_s"] = self.number(data["timeout_s"], _join(path, "timeout_s"), 1.0, limits.MAX_TIMEOUT_S)
         if "api" in data:
             out["api"] = self.choice(data["api"], _join(path, "api"), API_KINDS)
         if "check_answer" in data:
@@ -252,10 +294,25 @@ class _Parser:
         if data.get("words_file") is not None:
             out["words_file"] = self.string(data["words_file"], _join(path, "words_file"))
         if "extra_body" in data:
-            if not isinstance(data["extra_body"], dict):
-                raise self.fail(_join(path, "extra_body"), f"expected a mapping, got {_kind(data['extra_body'])}")
-            out["extra_body"] = dict(data["extra_body"])
+            out["extra_body"] = self.extra_body(data["extra_body"], _join(path, "extra_body"))
         return RequestSettings(**out)
+
+    def extra_body(self, value: Any, path: str) -> dict:
+        """JSON fields for every request: a mapping of plain JSON values, at most MAX_EXTRA_BODY_BYTES as JSON."""
+        if not isinstance(value, dict):
+            raise self.fail(path, f"expected a mapping, got {_kind(value)}")
+        try:
+            text = json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise self.fail(path, f"expected plain JSON values (strings, finite numbers, true/false, null, lists, "
+                                  f"mappings with string keys): {exc}") from None
+        except RecursionError:
+            raise self.fail(path, "nested too deeply") from None
+        if len(text.encode()) > limits.MAX_EXTRA_BODY_BYTES:
+            raise self.fail(path, f"is {len(text.encode()):,} bytes as JSON; expected at most "
+                                  f"{limits.MAX_EXTRA_BODY_BYTES:,}")
+        result: dict = json.loads(text)
+        return result
 
     def serve(self, data: Any, path: str) -> ServeSpec:
         data = self.mapping(data, path, ("command", "health_url"),
@@ -264,33 +321,66 @@ class _Parser:
         if isinstance(command, str) or not isinstance(command, list) or not command:
             raise self.fail(_join(path, "command"),
                             f"expected a non-empty list of strings (argv), got {_kind(command)}")
-        argv = tuple(self.string(str(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a,
-                                 f"{_join(path, 'command')}[{i}]") for i, a in enumerate(command))
+        if len(command) > limits.MAX_COMMAND_ARGS:
+            raise self.fail(_join(path, "command"), f"expected at most {limits.MAX_COMMAND_ARGS:,} arguments, "
+                                                    f"got {len(command):,}")
+        argv = tuple(self.string(_scalar_text(a), f"{_join(path, 'command')}[{i}]", limits.MAX_ARG_CHARS)
+                     for i, a in enumerate(command))
         env: dict[str, str] = {}
         raw_env = data.get("env") or {}
         if not isinstance(raw_env, dict):
             raise self.fail(_join(path, "env"), f"expected a mapping of NAME: value, got {_kind(raw_env)}")
+        if len(raw_env) > limits.MAX_ENV_VARS:
+            raise self.fail(_join(path, "env"), f"expected at most {limits.MAX_ENV_VARS:,} variables, "
+                                                f"got {len(raw_env):,}")
         for name, value in raw_env.items():
+            if not isinstance(name, str) or not ENV_NAME.fullmatch(name) or len(name) > limits.MAX_NAME_CHARS:
+                raise self.fail(_join(path, "env"), f"{_kind(name)} is not an environment variable name; expected "
+                                                    "letters, digits and '_', not starting with a digit")
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 raise self.fail(_join(path, f"env.{name}"), f"expected a string (quote it), got {_kind(value)}")
-            env[str(name)] = str(value)
+            text = _scalar_text(value)
+            if "\0" in text or len(text) > limits.MAX_ARG_CHARS:
+                raise self.fail(_join(path, f"env.{name}"), f"expected at most {limits.MAX_ARG_CHARS:,} characters "
+                                                            "and no NUL character")
+            env[name] = text
+        log_file = (self.string(data["log_file"], _join(path, "log_file")) if data.get("log_file") is not None
+                    else None)
+        if log_file is not None:
+            self.log_file(log_file, _join(path, "log_file"))
         return ServeSpec(
             command=argv,
             health_url=self.url(data["health_url"], _join(path, "health_url")),
             env=env,
             cwd=self.string(data["cwd"], _join(path, "cwd")) if data.get("cwd") is not None else None,
-            startup_timeout_s=self.number(data.get("startup_timeout_s", 600.0), _join(path, "startup_timeout_s"), 1.0),
-            stop_grace_s=self.number(data.get("stop_grace_s", 30.0), _join(path, "stop_grace_s"), 0.0),
-            log_file=(self.string(data["log_file"], _join(path, "log_file")) if data.get("log_file") is not None
-                      else None),
+            startup_timeout_s=self.number(data.get("startup_timeout_s", 600.0), _join(path, "startup_timeout_s"), 1.0,
+                                          limits.MAX_TIMEOUT_S),
+            stop_grace_s=self.number(data.get("stop_grace_s", 30.0), _join(path, "stop_grace_s"), 0.0,
+                                     limits.MAX_STOP_GRACE_S),
+            log_file=log_file,
             inherit_env=self.boolean(data.get("inherit_env", True), _join(path, "inherit_env")),
         )
 
+    def log_file(self, value: str, path: str) -> None:
+        """serve.log_file must stay inside the run directory: relative (or under `{run_dir}/`), no '..'."""
+        relative = value[len("{run_dir}/"):] if value.startswith("{run_dir}/") else value
+        for placeholder, example in LOG_FILE_PLACEHOLDERS.items():
+            relative = relative.replace(placeholder, example)
+        problem = relative_path_problem(relative)
+        if problem is not None:
+            raise self.fail(path, f"{problem} (the log is written inside the run directory)")
+
+    def name(self, value: Any, path: str) -> str:
+        """An arm name or a step label: it names files in the run directory."""
+        name = self.string(value, path)
+        problem = name_problem(name)
+        if problem is not None:
+            raise self.fail(path, problem)
+        return name
+
     def arm(self, data: Any, path: str) -> Arm:
         data = self.mapping(data, path, ("name",), ("url", "serve", "ranks", "hook_log_dir", "on_error"))
-        name = self.string(data["name"], _join(path, "name"))
-        if not all(c.isalnum() or c in "-_." for c in name):
-            raise self.fail(_join(path, "name"), f"use letters, digits, '-', '_' or '.' (it names files), got {name!r}")
+        name = self.name(data["name"], _join(path, "name"))
         serve = self.serve(data["serve"], _join(path, "serve")) if data.get("serve") is not None else None
         if data.get("url") is not None:
             url = self.url(data["url"], _join(path, "url"))
@@ -310,14 +400,19 @@ class _Parser:
             data = [dataclasses.asdict(s) for s in DEFAULT_STEPS]
         if not isinstance(data, list) or not data:
             raise self.fail(path, f"expected a non-empty list of {{label, tokens, seed}}, got {_kind(data)}")
+        if len(data) > limits.MAX_STEPS:
+            raise self.fail(path, f"expected at most {limits.MAX_STEPS:,} steps, got {len(data):,}")
         steps: list[Step] = []
         for i, item in enumerate(data):
             item_path = f"{path}[{i}]"
-            item = self.mapping(item, item_path, ("label", "tokens", "seed"), ())
+            item = self.mapping(item, item_path, ("label", "tokens", "seed"), ("timeout_s",))
             step = Step(
-                label=self.string(str(item["label"]), _join(item_path, "label")),
-                tokens=self.integer(item["tokens"], _join(item_path, "tokens"), 64),
-                seed=self.integer(item["seed"], _join(item_path, "seed"), 0),
+                label=self.name(_scalar_text(item["label"]), _join(item_path, "label")),
+                tokens=self.integer(item["tokens"], _join(item_path, "tokens"), limits.MIN_STEP_TOKENS,
+                                    limits.MAX_PREFILL_TOKENS),
+                seed=self.integer(item["seed"], _join(item_path, "seed"), 0, limits.MAX_SEED),
+                timeout_s=(self.number(item["timeout_s"], _join(item_path, "timeout_s"), 1.0, limits.MAX_TIMEOUT_S)
+                           if item.get("timeout_s") is not None else None),
             )
             for j, other in enumerate(steps):
                 if other.label == step.label:
@@ -331,26 +426,31 @@ class _Parser:
 
     def ladder(self, data: Any) -> Ladder:
         data = self.mapping(data, "", ("model", "arms"),
-                            ("request", "nodes", "ranks", "steps", "repeats", "order", "on_error", "sample_interval_s"))
+                            ("request", "nodes", "ranks", "steps", "repeats", "order", "on_error", "sample_interval_s",
+                             "gates"))
         arms_data = data["arms"]
         if not isinstance(arms_data, list) or not arms_data:
             raise self.fail("arms", f"expected a non-empty list of arms, got {_kind(arms_data)}")
+        if len(arms_data) > limits.MAX_ARMS:
+            raise self.fail("arms", f"expected at most {limits.MAX_ARMS} arms, got {len(arms_data):,}")
         arms = tuple(self.arm(a, f"arms[{i}]") for i, a in enumerate(arms_data))
         names = [a.name for a in arms]
         for i, name in enumerate(names):
             if name in names[:i]:
                 raise self.fail(f"arms[{i}].name", f"{name!r} is already used by arms[{names.index(name)}]")
+        steps = self.steps(data.get("steps"), "steps")
         return Ladder(
             model=self.string(data["model"], "model"),
             arms=arms,
-            steps=self.steps(data.get("steps"), "steps"),
+            steps=steps,
             request=self.request(data.get("request"), "request"),
             nodes=self.url_map(data.get("nodes"), "nodes"),
             ranks=self.url_map(data.get("ranks"), "ranks"),
-            repeats=self.integer(data.get("repeats", 1), "repeats", 1),
+            repeats=self.integer(data.get("repeats", 1), "repeats", 1, limits.MAX_REPEATS),
             order=self.choice(data.get("order", "ABAB"), "order", ARM_ORDERS),
             on_error=self.choice(data.get("on_error", "stop-arm"), "on_error", ON_ERROR),
             sample_interval_s=self.number(data.get("sample_interval_s", 1.0), "sample_interval_s", 0.05, 60.0),
+            gates=parse_gates(data.get("gates"), "gates", self.fail, names, [s.label for s in steps]),
             source=self.source,
         )
 
@@ -359,12 +459,27 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def _scalar_text(value: Any) -> Any:
+    """A YAML number written where text is expected (a port in argv, `seed: 1` as a label) as its text."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and (not isinstance(value, int)
+                                                                            or abs(value) < 10**30):
+        return str(value)
+    return value
+
+
+def _int_text(value: int) -> str:
+    return str(value) if abs(value) < 10**30 else f"an integer of {value.bit_length():,} bits"
+
+
 def _kind(value: Any) -> str:
     if value is None:
         return "nothing"
     if isinstance(value, (dict, list)):
         return type(value).__name__
-    return f"{type(value).__name__} {value!r}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return _int_text(value)
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 80 else text[:80] + '...'}"
 
 
 # --- reachability (network; called by the runner before anything starts) ---

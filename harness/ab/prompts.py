@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.limits import MAX_PREFILL_TOKENS, MAX_WORDS_FILE_BYTES
 from telemetry.errors import RunError
 
 # Common English words: real tokenizers give each one or two tokens, which keeps the
@@ -90,19 +91,43 @@ def load_words(path: str | Path) -> tuple[str, ...]:
 
     Needed for models whose tokenizer maps English words to one unknown token (a test model's
     word-level vocabulary): every prompt would be the same token sequence and the prefix cache would hit.
+    The file must be a regular file of at most MAX_WORDS_FILE_BYTES, UTF-8 (PromptError otherwise).
     """
+    from telemetry.safefs import FileTooLargeError, read_capped
+
     path = Path(path)
-    text = path.read_text()
-    if path.suffix == ".json":
-        vocab = (json.loads(text).get("model") or {}).get("vocab") or {}
-        keys = vocab.keys() if isinstance(vocab, dict) else [entry[0] for entry in vocab]
-        words = [k.lstrip("\u0120\u2581") for k in keys]
-    else:
-        words = text.split()
+    try:
+        data = read_capped(path, MAX_WORDS_FILE_BYTES, follow_symlinks=True)
+    except FileTooLargeError:
+        raise PromptError(f"{path} is larger than {MAX_WORDS_FILE_BYTES // 2**20} MiB; expected a words file or a "
+                          "tokenizer.json") from None
+    except OSError as exc:
+        raise PromptError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"{path} is not UTF-8 text (byte {exc.start}); expected a words file or a "
+                          "tokenizer.json") from None
+    words = [k.lstrip("\u0120\u2581") for k in _vocabulary(text, path)] if path.suffix == ".json" else text.split()
     words = list(dict.fromkeys(w for w in words if w.isascii() and w.isalpha() and len(w) >= 2))
     if len(words) < 50:
         raise PromptError(f"{path}: only {len(words)} usable words (letters only, 2+ characters); need at least 50")
     return tuple(words)
+
+
+def _vocabulary(text: str, path: Path) -> list[str]:
+    """The vocabulary's entries of a tokenizer.json (`model.vocab`: a mapping, or a list of [piece, score])."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, a giant integer, deep nesting
+        raise PromptError(f"{path}: not a readable tokenizer.json ({type(exc).__name__})") from None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict):
+        return [k for k in vocab if isinstance(k, str)]
+    if isinstance(vocab, list):
+        return [entry[0] for entry in vocab if isinstance(entry, list) and entry and isinstance(entry[0], str)]
+    raise PromptError(f"{path}: no model.vocab (a mapping or a list) in this tokenizer.json")
 
 
 def _parts(seed: int, repeat: int, words: Sequence[str]) -> _Parts:
@@ -159,6 +184,8 @@ def build_prompt(target_tokens: int, seed: int, count_tokens: Callable[[str], in
 
     `words`: the filler vocabulary (default: common English words, see `load_words`).
     """
+    if not 1 <= target_tokens <= MAX_PREFILL_TOKENS:
+        raise PromptError(f"a prompt of {target_tokens} tokens: expected 1 to {MAX_PREFILL_TOKENS:,}")
     vocabulary = tuple(words) if words else WORDS
     parts = _parts(seed, repeat, vocabulary)
     filler = _Filler(parts.rng_key, vocabulary, sentences=not words)

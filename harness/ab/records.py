@@ -3,9 +3,9 @@
 Every record is a dataclass below; `RecordWriter.write(record)` stamps its `ts` (unix seconds) and writes
 ``{"event": <its EVENT>, "ts": ..., <its fields>}`` on one line; `read_records` returns the same classes.
 The events, in the order a run writes them: `run_start` (the ladder, the environment), `prompt`,
-`serve_start` / `serve_ready` / `serve_failed` / `serve_stop`, `server_info`, `scrape` (phase
-`baseline` or `after`), `node_sample` (during a request), `request`, `step_skipped`, `arm_stopped`,
-`run_end`. Field meanings: docs/harness.md ("Records").
+`block_superseded` (a resumed block: its earlier records no longer count), `serve_start` / `serve_ready` /
+`serve_failed` / `serve_stop`, `server_info`, `scrape` (phase `baseline` or `after`), `node_sample` (during a
+request), `request`, `step_skipped`, `arm_stopped`, `run_end`. Field meanings: docs/harness.md ("Records").
 
 Reading is tolerant where a run's history can be: a line cut by a kill (a harness killed mid-write
 leaves one, and `--resume` appends after it) is skipped, and so is an event this version does not know
@@ -64,6 +64,7 @@ class NodeSnapshot(Snapshot):
     mem_available_bytes: float | None = None
     mem_total_bytes: float | None = None
     swap_used_bytes: float | None = None
+    unified_headroom_bytes: float | None = None  # memtel_node_unified_headroom_bytes
     pswpin_total: float | None = None
     pswpout_total: float | None = None
     nv_err_no_memory_total: float | None = None
@@ -214,6 +215,20 @@ class PromptBuilt(Record):
     pad_words: int
     built_with: str
     max_model_len: int | None = None
+    tokenize_s: float | None = None  # of build_s, the time spent waiting for /tokenize
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockSuperseded(Record):
+    """A block (arm, repeat) is run again from its first step (`--resume` of an unfinished block): the
+    block's records written before this one stay in the file but no longer count."""
+
+    EVENT: ClassVar[str] = "block_superseded"
+
+    arm: str
+    repeat: int
+    steps: list[str]  # the steps that had a request or step_skipped record in the superseded attempt
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +244,10 @@ class ServeStart(Record):
     pgid: int
     log: str
     hook_log_dir: str | None = None
+    # Who the server is, for `--resume` to stop it if a killed run left it behind (and never a process that
+    # reused its pid): the start time in /proc/<pid>/stat (clock ticks since boot) and the boot's id.
+    start_time_ticks: int | None = None
+    boot_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,36 +399,54 @@ class RunEnd(Record):
     EVENT: ClassVar[str] = "run_end"
 
     status: str  # complete, interrupted, error
+    cpu_s: float | None = None  # the harness process's CPU time (user + system) so far, children excluded
+    max_rss_bytes: int | None = None  # its peak resident memory so far
 
 
 RECORD_TYPES: dict[str, type[Record]] = {cls.EVENT: cls for cls in (
-    RunStart, PromptBuilt, ServeStart, ServeReady, ServeFailed, ServeStop, ServerInfo, Scrape, NodeSample,
-    RequestDone, StepSkipped, ArmStopped, RunEnd)}
+    RunStart, PromptBuilt, BlockSuperseded, ServeStart, ServeReady, ServeFailed, ServeStop, ServerInfo, Scrape,
+    NodeSample, RequestDone, StepSkipped, ArmStopped, RunEnd)}
 
 
 # --- writing and reading --------------------------------------------------------------------------
 
 
 class RecordWriter:
-    def __init__(self, path: Path) -> None:
+    """Appends records to a results.jsonl created 0600 (never through a symbolic link).
+
+    redact: applied to each record's JSON form before it is written (harness/ab/redact.py: secrets never
+    reach the file).
+    """
+
+    def __init__(self, path: Path, redact: Callable[[Any], Any] | None = None) -> None:
+        from telemetry.safefs import open_private
+
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.redact = redact
+        try:
+            fd = open_private(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        except OSError as exc:
+            raise RecordError(f"cannot open {self.path} for writing: {exc.strerror or exc} (a symbolic link in its "
+                              "place is refused)") from None
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._repair_tail()
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open for the run, closed by close()
         self._lock = threading.Lock()  # the node sampler thread writes too
 
     def _repair_tail(self) -> None:
         """A line cut by a kill would glue onto the next record: end it first."""
-        if self.path.exists() and self.path.stat().st_size:
-            with open(self.path, "rb+") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
+        fd = self._file.fileno()
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            os.write(fd, b"\n")
 
     def write(self, record: R) -> R:
         """Append `record` stamped with the time now; returns the stamped record."""
         stamped = dataclasses.replace(record, ts=time.time())
-        line = json.dumps(stamped.to_json(), default=str, allow_nan=False) + "\n"
+        data = stamped.to_json()
+        if self.redact is not None:
+            data = self.redact(data)
+        line = json.dumps(data, default=str, allow_nan=False) + "\n"
         with self._lock:
             self._file.write(line)
             self._file.flush()
@@ -434,9 +471,14 @@ def iter_records(path: Path, *, skip_unreadable: bool = False) -> Iterator[Recor
             if not line:
                 continue
             try:
-                data = json.loads(line)
+                data = json.loads(line, parse_constant=_refuse_non_finite)
             except json.JSONDecodeError:
                 continue  # a line cut by a kill
+            except (ValueError, RecursionError) as exc:  # an integer of 4,300+ digits, nesting past the stack
+                if skip_unreadable:
+                    continue
+                raise RecordError(f"{path}:{number}: not a record memtel wrote ({type(exc).__name__}: "
+                                  f"{str(exc)[:100]})") from None
             if not isinstance(data, dict):
                 continue
             kind = RECORD_TYPES.get(str(data.get("event")))
@@ -449,6 +491,11 @@ def iter_records(path: Path, *, skip_unreadable: bool = False) -> Iterator[Recor
                     continue
                 raise _record_error(path, number, kind, exc) from None
             yield record
+
+
+def _refuse_non_finite(name: str) -> float:
+    """RecordWriter writes finite numbers only (allow_nan=False): NaN or Infinity is not its line."""
+    raise ValueError(f"{name} is not a number memtel writes")
 
 
 def _record_error(path: Path, number: int, kind: type[Record], exc: Exception) -> RecordError:
@@ -469,9 +516,42 @@ def of_type(records: Iterable[Record], kind: type[R]) -> list[R]:
 StepKey = tuple[str, int, str]  # (arm, repeat, step label)
 
 
+def block_of(record: Record) -> tuple[str, int] | None:
+    """The (arm, repeat) block a record belongs to, None for run-wide records (run_start, prompt, run_end).
+
+    A serve_stop names only its process group: it belongs to the block of the serve_start with that group.
+    """
+    arm, repeat = getattr(record, "arm", None), getattr(record, "repeat", None)
+    if isinstance(arm, str) and isinstance(repeat, int) and not isinstance(record, PromptBuilt):
+        return (arm, repeat)
+    return None
+
+
+def current_records(records: Iterable[Record]) -> list[Record]:
+    """The records that count: a block's records written before its last `block_superseded` are left out
+    (with the serve_stop of a server started in the superseded attempt)."""
+    records = list(records)
+    last_superseded = {(r.arm, r.repeat): i for i, r in enumerate(records) if isinstance(r, BlockSuperseded)}
+    if not last_superseded:
+        return records
+    stale_groups: set[int] = set()
+    out = []
+    for i, r in enumerate(records):
+        block = block_of(r)
+        if block is not None and i < last_superseded.get(block, -1):
+            if isinstance(r, ServeStart):
+                stale_groups.add(r.pgid)
+            continue
+        if isinstance(r, ServeStop) and r.pgid in stale_groups:
+            stale_groups.discard(r.pgid)
+            continue
+        out.append(r)
+    return out
+
+
 def finished_steps(records: Iterable[Record]) -> set[StepKey]:
-    """Steps that need no rerun: a request was recorded (ok or failed), or the step was skipped."""
-    return {(r.arm, r.repeat, r.step) for r in records if isinstance(r, (RequestDone, StepSkipped))}
+    """Steps with a request (ok or failed) or a step_skipped record among the records that count."""
+    return {(r.arm, r.repeat, r.step) for r in current_records(records) if isinstance(r, (RequestDone, StepSkipped))}
 
 
 def unstopped_servers(records: Iterable[Record]) -> list[ServeStart]:
@@ -485,7 +565,8 @@ def unstopped_servers(records: Iterable[Record]) -> list[ServeStart]:
     return list(started.values())
 
 
-__all__ = ["RECORD_TYPES", "RESULTS_FILE", "ArmStopped", "NodeSample", "NodeSnapshot", "PromptBuilt", "RankSnapshot",
-           "Record", "RecordError", "RecordWriter", "RequestDone", "RunEnd", "RunStart", "Scrape", "ServeFailed",
-           "ServeReady", "ServeStart", "ServeStop", "ServerInfo", "ServerSnapshot", "Snapshot", "StepKey",
-           "StepSkipped", "finished_steps", "iter_records", "of_type", "read_records", "unstopped_servers"]
+__all__ = ["RECORD_TYPES", "RESULTS_FILE", "ArmStopped", "BlockSuperseded", "NodeSample", "NodeSnapshot", "PromptBuilt",
+           "RankSnapshot", "Record", "RecordError", "RecordWriter", "RequestDone", "RunEnd", "RunStart", "Scrape",
+           "ServeFailed", "ServeReady", "ServeStart", "ServeStop", "ServerInfo", "ServerSnapshot", "Snapshot",
+           "StepKey", "StepSkipped", "block_of", "current_records", "finished_steps", "iter_records", "of_type",
+           "read_records", "unstopped_servers"]

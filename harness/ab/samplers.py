@@ -29,6 +29,7 @@ NODE_GAUGES = {
     "mem_available_bytes": "memtel_node_mem_available_bytes",
     "mem_total_bytes": "memtel_node_mem_total_bytes",
     "swap_used_bytes": "memtel_node_swap_used_bytes",
+    "unified_headroom_bytes": "memtel_node_unified_headroom_bytes",
 }
 NODE_COUNTERS = {
     "pswpin_total": "memtel_node_vmstat_pswpin_total",

@@ -6,7 +6,15 @@ server, engine core and workers), waits `stop_grace_s`, then SIGKILLs what is le
 
 If the harness itself is SIGKILLed nothing in it can run, so every server gets a watchdog: a small
 process (`python -m harness.ab.serve watch HARNESS_PID PGID GRACE`) in its own session that stops the
-group when the harness disappears. `--resume` also stops groups a previous run left (`kill_stale`).
+group when the harness disappears. `--resume` also stops groups a previous run left (`kill_stale`),
+when the watchdog was killed too.
+
+Which group is the run's is decided by identity, never by command line (a server started from a console
+script, `vllm serve` or `memtel lab serve`, runs as `python .../bin/vllm serve ...`): the serve_start
+record holds the leader's pid (= its process group and session: it was started in a new session), its
+start time from /proc/<pid>/stat and the boot id. A process with that pid but another start time reused
+the pid and is never touched; when the leader is gone, the group's remaining members (same process
+group and session, started no earlier than the leader) are stopped.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.ab.config import ServeSpec
@@ -25,6 +35,56 @@ from telemetry.errors import RunError
 
 class ServeError(RunError):
     """The server did not come up: it exited, or was not healthy in time (the message has the log tail)."""
+
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """What /proc/<pid>/stat says about a process: its group, its session and when it started."""
+
+    pid: int
+    pgid: int
+    session: int
+    start_time_ticks: int  # clock ticks after boot
+    state: str
+
+
+def process_info(pid: int, proc: Path = PROC) -> ProcessInfo | None:
+    """The process `pid` as /proc sees it now, or None when it does not exist (or cannot be read)."""
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except (OSError, ValueError):
+        return None
+    # The command name (field 2) is in parentheses and may contain spaces or ')'.
+    fields = text.rpartition(")")[2].split()
+    try:
+        return ProcessInfo(pid=pid, state=fields[0], pgid=int(fields[2]), session=int(fields[3]),
+                           start_time_ticks=int(fields[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+def boot_id(proc: Path = PROC) -> str | None:
+    try:
+        return (proc / "sys" / "kernel" / "random" / "boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def group_members(pgid: int, proc: Path = PROC) -> list[ProcessInfo]:
+    """Every live process of process group `pgid` (zombies left out)."""
+    members = []
+    try:
+        entries = [e.name for e in os.scandir(proc) if e.name.isdigit()]
+    except OSError:
+        return []
+    for name in entries:
+        info = process_info(int(name), proc)
+        if info is not None and info.pgid == pgid and info.state != "Z":
+            members.append(info)
+    return members
 
 
 def _group_alive(pgid: int) -> bool:
@@ -37,9 +97,13 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-def stop_group(pgid: int, grace_s: float, leader: subprocess.Popen | None = None) -> str:
-    """SIGTERM the group, wait up to grace_s for it to empty, SIGKILL the rest. Returns how it ended."""
-    if not _group_alive(pgid):
+def stop_group(pgid: int, grace_s: float, leader: subprocess.Popen | None = None,
+               verify: Callable[[], bool] | None = None) -> str:
+    """SIGTERM the group, wait up to grace_s for it to empty, SIGKILL the rest. Returns how it ended.
+
+    verify: checked right before each signal; False (the group is no longer the one meant) stops here.
+    """
+    if not _group_alive(pgid) or (verify is not None and not verify()):
         if leader is not None:
             leader.poll()
         return "already-exited"
@@ -54,6 +118,8 @@ def stop_group(pgid: int, grace_s: float, leader: subprocess.Popen | None = None
         if not _group_alive(pgid):
             return "sigterm"
         time.sleep(0.2)
+    if verify is not None and not verify():
+        return "sigterm"
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
@@ -68,10 +134,18 @@ def stop_group(pgid: int, grace_s: float, leader: subprocess.Popen | None = None
 
 
 class ServedProcess:
-    def __init__(self, spec: ServeSpec, log_path: Path, extra_env: dict[str, str] | None = None) -> None:
+    """One served command. `shown_command`: how the log's header names it (secrets redacted by the caller);
+    `umask`: the command's (the harness itself runs with a private one while it writes a run)."""
+
+    def __init__(self, spec: ServeSpec, log_path: Path, extra_env: dict[str, str] | None = None, *,
+                 shown_command: list[str] | None = None, umask: int = -1) -> None:
         self.spec = spec
         self.log_path = Path(log_path)
         self.extra_env = dict(extra_env or {})
+        self.shown_command = list(shown_command) if shown_command is not None else list(spec.command)
+        self.umask = umask
+        self.info: ProcessInfo | None = None  # the leader as /proc saw it right after the start
+        self.boot_id: str | None = None
         self.process: subprocess.Popen | None = None
         self.watchdog: subprocess.Popen | None = None
         self.started_monotonic = 0.0
@@ -88,18 +162,26 @@ class ServedProcess:
         return env
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        from telemetry.safefs import open_private
+
+        self.log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = open_private(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except OSError as exc:
+            raise ServeError(f"cannot open the server log {self.log_path}: {exc.strerror or exc}") from None
+        with os.fdopen(fd, "ab") as log:
             started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-            log.write(f"\n=== memtel: starting {' '.join(self.spec.command)} at {started}\n".encode())
+            log.write(f"\n=== memtel: starting {' '.join(self.shown_command)} at {started}\n".encode())
             log.flush()
             try:
                 self.process = subprocess.Popen(
                     list(self.spec.command), env=self.env(), cwd=self.spec.cwd, stdout=log,
-                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, umask=self.umask,
                 )
-            except OSError as exc:
-                raise ServeError(f"cannot start {self.spec.command[0]!r}: {exc}") from None
+            except (OSError, ValueError) as exc:
+                raise ServeError(f"cannot start {self.shown_command[0]!r}: {exc}") from None
+        self.info = process_info(self.process.pid)
+        self.boot_id = boot_id()
         self.started_monotonic = time.monotonic()
         self.watchdog = subprocess.Popen(
             [sys.executable, "-m", "harness.ab.serve", "watch", str(os.getpid()), str(self.process.pid),
@@ -130,16 +212,51 @@ class ServedProcess:
         return how
 
 
-def kill_stale(pgid: int, command: list[str], grace_s: float = 10.0) -> bool:
-    """Stop a group a killed harness left behind, if its leader still runs the recorded command."""
-    try:
-        cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    if [c.decode(errors="replace") for c in cmdline if c] != list(command):
-        return False
-    stop_group(pgid, grace_s)
-    return True
+def stale_group(pid: int, start_time_ticks: int, recorded_boot_id: str | None,
+                proc: Path = PROC) -> tuple[list[ProcessInfo], str]:
+    """The live members of the server group a killed run left behind, and why (a sentence).
+
+    The server was started in a new session, so its pid is its process group and session id. Its group
+    is the run's when the leader still runs with the recorded start time; when the leader is gone, the
+    members of its group and session that started no earlier than it did (the pid cannot have been
+    reused while they hold it as their group id). A leader with another start time reused the pid:
+    nothing is touched.
+    """
+    if recorded_boot_id is not None and boot_id(proc) not in (None, recorded_boot_id):
+        return [], "the machine rebooted since"
+    leader = process_info(pid, proc)
+    if leader is not None and leader.state != "Z":
+        if leader.start_time_ticks != start_time_ticks:
+            return [], (f"pid {pid} now belongs to a process that started at tick {leader.start_time_ticks}, not "
+                        f"{start_time_ticks}: the pid was reused, the process is left alone")
+        if leader.pgid != pid:
+            return [], f"pid {pid} left its process group; left alone"
+    members = [m for m in group_members(pid, proc) if m.session == pid and m.start_time_ticks >= start_time_ticks]
+    if not members:
+        return [], "no process of its group is left"
+    return members, f"{len(members)} process(es) of group {pid} still run"
+
+
+def kill_stale(pid: int, pgid: int, start_time_ticks: int | None, recorded_boot_id: str | None,
+               command: list[str] | None = None, grace_s: float = 10.0) -> str:
+    """Stop a server group a killed harness left behind; returns what was done (for the console).
+
+    Identity as in `stale_group`. Records written before start times were recorded (None) are matched
+    by the leader's exact command line, as then.
+    """
+    if start_time_ticks is None:
+        try:
+            cmdline = (PROC / str(pgid) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return "gone"
+        if command is None or [c.decode(errors="replace") for c in cmdline if c] != list(command):
+            return "not matched (no start time recorded, and another command line)"
+        return stop_group(pgid, grace_s)
+    members, why = stale_group(pid, start_time_ticks, recorded_boot_id)
+    if not members or pgid != pid:
+        return f"not stopped: {why}"
+    how = stop_group(pgid, grace_s, verify=lambda: bool(stale_group(pid, start_time_ticks, recorded_boot_id)[0]))
+    return f"stopped ({how}): {why}"
 
 
 def _watch(parent_pid: int, pgid: int, grace_s: float) -> int:

@@ -19,18 +19,23 @@ import os
 import sys
 from pathlib import Path
 
-from harness.allocsim.ops import OpFileError, first_mismatch, load_op_file, replay_cases
+from harness.allocsim.ops import OpFileError, first_mismatch, load_op_file, parse_op_json, replay_cases
 from harness.allocsim.snapshot_file import DEFAULT_MAX_BYTES
+from harness.argtypes import bounded_float, bounded_int
+from harness.limits import MAX_CAPACITY_GIB, MAX_OP_FILE_BYTES
 from telemetry.errors import ConfigError
+
+MAX_FILE_GIB = 1024.0  # --max-file-gb: the file is read into memory
 
 GIB = 1024**3
 
 
 def add_snapshot_arguments(parser: argparse.ArgumentParser) -> None:
     """`--device` and `--max-file-gb`, shared by the commands that read snapshots and traces."""
-    parser.add_argument("--device", type=int, default=None,
+    parser.add_argument("--device", type=bounded_int(0, 1023), default=None,
                         help="the CUDA device to take from a snapshot of several devices")
-    parser.add_argument("--max-file-gb", type=float, default=DEFAULT_MAX_BYTES / GIB,
+    parser.add_argument("--max-file-gb", type=bounded_float(0, MAX_FILE_GIB, above_minimum=True),
+                        default=DEFAULT_MAX_BYTES / GIB,
                         help="refuse snapshot files larger than this many GiB, before reading "
                              f"(default {DEFAULT_MAX_BYTES // GIB})")
 
@@ -54,7 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, metavar="FILE",
                         help="op file (JSON, the allocator-truth format); '-' reads stdin")
     parser.add_argument("--config", default=None, help="override the file's PYTORCH_CUDA_ALLOC_CONF string")
-    parser.add_argument("--capacity-gb", type=float, default=None,
+    parser.add_argument("--capacity-gb", type=bounded_float(0, MAX_CAPACITY_GIB), default=None,
                         help="simulated device capacity in GiB (default: unlimited)")
     parser.add_argument(
         "--check",
@@ -70,10 +75,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         if str(args.file) == "-":
-            try:
-                data = json.load(sys.stdin)
-            except json.JSONDecodeError as exc:
-                raise OpFileError(f"stdin: not valid JSON: {exc}") from None
+            raw = sys.stdin.buffer.read(MAX_OP_FILE_BYTES + 1)
+            if len(raw) > MAX_OP_FILE_BYTES:
+                raise OpFileError(f"stdin: more than {MAX_OP_FILE_BYTES:,} bytes; expected an op file (JSON)")
+            data = parse_op_json(raw, "stdin")
         else:
             data = load_op_file(args.file)
         if args.config is not None and isinstance(data, dict):
@@ -103,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
     failed = 0
     for name, rows in results.items():
         expected = data["cases"][name].get("after")
+        if expected is not None and not isinstance(expected, list):
+            print(f"memtel allocsim: case {name!r}: 'after' must be a list of rows, got {type(expected).__name__}",
+                  file=sys.stderr)
+            return 2
         if expected is None:
             print(f"{name}: no 'after' rows to compare with", file=sys.stderr)
             failed += 1

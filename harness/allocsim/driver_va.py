@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
+from telemetry.errors import ConfigError
+
 from .ordered import MaxTree
 
 MIB = 1024 * 1024
@@ -199,6 +201,10 @@ class _Ranges:
         return None
 
 
+class AddressSpaceExhaustedError(ConfigError):
+    """A workload maps more device memory than the address space holds (an op file or flag asked for it)."""
+
+
 class DriverAddressSpace:
     """cudaMalloc / cudaFree addresses: `alloc(size) -> address`, `release(address, size)`.
 
@@ -308,6 +314,10 @@ class DriverAddressSpace:
         # At the top of the highest free range at least MAP_PAD longer than the chunk, else below all.
         above = self._ranges.highest_with_gap(size + MAP_PAD)
         start = (above if above is not None else self._ranges.lowest()) - size
+        if start < 0:
+            raise AddressSpaceExhaustedError(
+                f"mapping {size:,} bytes more exhausts the {ARENA_TOP:,}-byte device address space of the driver "
+                "model; no device maps that much")
         chunk = _Chunk(start, start + size)
         self._add_chunk(chunk)
         return chunk

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.limits import MAX_OP_FILE_BYTES
 from telemetry.errors import ConfigError
 
 from .config import AllocatorConfigError, parse_alloc_conf
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from .snapshot import AllocatorState
 
 OP_NAMES = ("malloc", "free", "empty_cache")
+MAX_MALLOC_BYTES = 2**44  # 16 TiB: a hundred times a device's memory, far inside the driver's address space
 Row = list[int]
 
 
@@ -56,6 +58,9 @@ def _check_op(case: str, index: int, op: Any) -> tuple[str, int, int]:
                               f"got {op!r}")
         if op[2] < 0:
             raise OpFileError(f"{_where(case, index)}: malloc size must be >= 0, got {op[2]}")
+        if op[2] > MAX_MALLOC_BYTES:
+            raise OpFileError(f"{_where(case, index)}: malloc size must be at most {MAX_MALLOC_BYTES:,} bytes "
+                              f"(16 TiB), got {op[2]}")
         return name, op[1], op[2]
     if name == "free":
         if len(op) != 2 or not isinstance(op[1], int) or isinstance(op[1], bool):
@@ -184,16 +189,32 @@ def validate_document(data: Any, source: str = "op file") -> tuple[str, dict[str
     return config, out
 
 
-def load_op_file(path: str | Path) -> dict[str, Any]:
+def load_op_file(path: str | Path, max_bytes: int = MAX_OP_FILE_BYTES) -> Any:
+    """The JSON document of an op file: a regular file of at most `max_bytes` (refused before reading)."""
+    from telemetry.safefs import FileTooLargeError, read_capped
+
     path = Path(path)
     try:
-        text = path.read_text()
+        data = read_capped(path, max_bytes, follow_symlinks=True)
+    except FileTooLargeError:
+        raise OpFileError(f"{path}: larger than {max_bytes:,} bytes; expected an op file (JSON)") from None
     except OSError as exc:
         raise OpFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return parse_op_json(data, str(path))
+
+
+def parse_op_json(data: bytes, source: str) -> Any:
+    """An op document from JSON bytes; OpFileError (one line) for anything that is not plain JSON."""
     try:
-        return json.loads(text)
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise OpFileError(f"{source}: not UTF-8 text (byte {exc.start}); expected an op file (JSON)") from None
     except json.JSONDecodeError as exc:
-        raise OpFileError(f"{path}: not valid JSON: {exc}") from None
+        raise OpFileError(f"{source}: not valid JSON: {exc}") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise OpFileError(f"{source}: a value cannot be read: {str(exc)[:100]}") from None
+    except RecursionError:
+        raise OpFileError(f"{source}: nested too deeply to be an op file") from None
 
 
 def replay_cases(data: Any, *, capacity_bytes: int | None = None, source: str = "op file",

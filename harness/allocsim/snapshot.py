@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,10 +189,12 @@ def settings_alloc_conf(settings: Any) -> str | None:
     return text if same_settings(effective, given) else format_alloc_conf(effective)
 
 
-def read_allocator_state(doc: Any, *, device: int | None = None, source: str = "snapshot") -> AllocatorState:
+def read_allocator_state(doc: Any, *, device: int | None = None, source: str = "snapshot",
+                         pause: Callable[[], None] | None = None) -> AllocatorState:
     """The allocator state in a snapshot document (a segment list, or a dict with `segments`).
 
-    This is what the hook's forecast thread calls with `torch.cuda.memory_snapshot()` directly.
+    This is what the hook's forecast thread calls with `torch.cuda.memory_snapshot()` directly; `pause` is
+    called after every segment (where the thread lets the serving threads run).
     """
     settings = None
     if isinstance(doc, Mapping):
@@ -212,6 +214,8 @@ def read_allocator_state(doc: Any, *, device: int | None = None, source: str = "
         for index, raw in enumerate(segments_raw):
             dev, segment = _segment(raw, index)
             by_device.setdefault(dev, []).append(segment)
+            if pause is not None:
+                pause()
     except SnapshotError as exc:
         raise SnapshotError(f"{source}: {exc}") from None
     if device is None:

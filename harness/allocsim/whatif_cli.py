@@ -17,6 +17,8 @@ from pathlib import Path
 
 from harness.allocsim.cli import GIB, add_snapshot_arguments, max_file_bytes, write_stdout
 from harness.allocsim.config import parse_alloc_conf
+from harness.argtypes import bounded_float
+from harness.limits import MAX_CAPACITY_GIB
 from telemetry.errors import ConfigError
 
 
@@ -26,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", action="append", default=[], metavar="CONF",
                         help="a PYTORCH_CUDA_ALLOC_CONF to replay the trace under (repeatable; '' for the defaults); "
                              "the recorded settings are always replayed")
-    parser.add_argument("--capacity-gb", type=float, default=None,
+    parser.add_argument("--capacity-gb", type=bounded_float(0, MAX_CAPACITY_GIB, above_minimum=True), default=None,
                         help="the device's memory in GiB: out-of-memory and a memory fraction as on that device "
                              "(default: unlimited; a fraction is taken of an H200's memory)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import limits
 from harness.ab.config import DEFAULT_STEPS, Step
-from harness.argtypes import fraction, non_negative, positive_int
+from harness.argtypes import bounded_float, bounded_int, fraction, shown
 from harness.demo.setup import DemoSetup
 from harness.indexer.backends import ALLOCATORS, cuda_available, default_allocator
 from harness.indexer.planner import MODES
@@ -36,13 +37,19 @@ MAX_TOKENS = 16  # output tokens per request
 
 
 def _steps(text: str) -> list[Step]:
-    try:
-        tokens = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if len(parts) > limits.MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"expected at most {limits.MAX_STEPS:,} token counts, got {len(parts):,}")
+    if not all(part.isascii() and part.isdigit() and len(part) <= 30 for part in parts):
         raise argparse.ArgumentTypeError(f"expected comma-separated token counts such as 100000,100000,200000, "
-                                         f"got {text!r}") from None
-    if not tokens or any(t < 64 for t in tokens):
-        raise argparse.ArgumentTypeError(f"expected token counts of at least 64, got {text!r}")
+                                         f"got {shown(text)}")
+    tokens = [int(part) for part in parts]
+    if not tokens or any(t < limits.MIN_STEP_TOKENS for t in tokens):
+        raise argparse.ArgumentTypeError(f"expected token counts of at least {limits.MIN_STEP_TOKENS}, "
+                                         f"got {shown(text)}")
+    if any(t > limits.MAX_PREFILL_TOKENS for t in tokens):
+        raise argparse.ArgumentTypeError(f"expected token counts of at most {limits.MAX_PREFILL_TOKENS:,}, "
+                                         f"got {shown(text)}")
     return [Step(f"step{i + 1}-{_short(t)}", t, i + 1) for i, t in enumerate(tokens)]
 
 
@@ -69,8 +76,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           help="the ladder's prompt sizes in tokens (default "
                                f"{','.join(str(s.tokens) for s in DEFAULT_STEPS)})")
     add_shape_arguments(advanced)
-    advanced.add_argument("--ranks", type=positive_int, default=2, help="ranks per lab server (default 2)")
-    advanced.add_argument("--time-scale", type=non_negative, default=DEFAULT_SIM_TIME_SCALE,
+    advanced.add_argument("--ranks", type=bounded_int(1, limits.MAX_LAB_RANKS), default=2,
+                          help="ranks per lab server (default 2)")
+    advanced.add_argument("--time-scale", type=bounded_float(0, limits.MAX_TIME_SCALE),
+                          default=DEFAULT_SIM_TIME_SCALE,
                           help=f"sim: multiply the cost model's time (default {DEFAULT_SIM_TIME_SCALE}: a 100k-token "
                                f"prefill takes ~2.7 s instead of ~54 s)")
     advanced.add_argument("--overwrite", action="store_true", help="replace a finished run in --out")
@@ -183,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"steps of {too_long} tokens do not fit --max-model-len {setup.shape.max_model_len} "
                           f"(with {MAX_TOKENS} output tokens)")
     out = Path(args.out or Path("memtel-demo") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())).resolve()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is not a directory; expected a run directory (new, or of an earlier demo)")
     return run_demo(setup, steps, out, overwrite=args.overwrite)
 
 

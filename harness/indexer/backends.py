@@ -10,6 +10,7 @@ torch is imported only when a `CudaBackend` is made.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -53,6 +54,26 @@ class LaunchBackend(Protocol):
         ...
 
 
+class _LockedPool:
+    """A simulator whose ops take `lock`: what the logits launch allocates on, so the lock is held for the
+    simulated cudaMalloc only, not for the rest of the (hooked) launch, as CUDA's allocator lock is."""
+
+    def __init__(self, sim: Any, lock: threading.Lock) -> None:
+        self.sim = sim
+        self.lock = lock
+
+    def malloc(self, nbytes: int) -> int:
+        with self.lock:
+            return int(self.sim.malloc(nbytes))
+
+    def free(self, handle: int) -> None:
+        with self.lock:
+            self.sim.free(handle)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.sim.stats())
+
+
 class SimBackend:
     """The caching-allocator simulator of one process; a private logits pool is a second simulator.
 
@@ -61,9 +82,13 @@ class SimBackend:
     capacity_bytes: the simulated device's memory (None: unlimited).
     on_segment_map / on_segment_unmap: called with (segment key, bytes) whenever device memory is mapped
         or released (the lab server backs segments with host pages); keys are unique across both pools.
+
+    One lock orders the simulated ops and `snapshot()`, so another thread (the hook's live forecast) sees the
+    state between two ops, as CUDA's snapshot does under the allocator's lock; it is held for the op alone.
     """
 
     name = "sim"
+    PRIVATE_POOL = (1, 0)   # the `segment_pool_id` a private logits pool's segments carry in `snapshot()`
 
     def __init__(self, alloc_conf: str = "", *, mempool: bool = False, capacity_bytes: int | None = None,
                  on_segment_map: SegmentHook | None = None, on_segment_unmap: SegmentHook | None = None) -> None:
@@ -81,17 +106,32 @@ class SimBackend:
 
         self.main = simulator("main")
         self.logits_pool = simulator("logits") if mempool else self.main
+        self.lock = threading.Lock()
+        self._locked_logits = _LockedPool(self.logits_pool, self.lock)
 
     def launch(self, rows: int, width: int, kv_len: int) -> object:
         # Through the module attribute, at call time: an installed hook sees every launch.
-        return (self.logits_pool, indexer.indexer_logits_launch(self.logits_pool, rows, width, kv_len))
+        return (self.logits_pool, indexer.indexer_logits_launch(self._locked_logits, rows, width, kv_len))
 
     def alloc(self, nbytes: int) -> object:
-        return (self.main, self.main.malloc(nbytes))
+        with self.lock:
+            return (self.main, self.main.malloc(nbytes))
 
     def release(self, allocation: object) -> None:
         pool, handle = cast("tuple[Any, int]", allocation)
-        pool.free(handle)
+        with self.lock:
+            pool.free(handle)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The segments in `torch.cuda.memory_snapshot()`'s format, between two ops; a private logits pool's
+        carry `PRIVATE_POOL` as their pool id (a forecast keeps them as reserved memory, as a MemPool's)."""
+        with self.lock:
+            segments = self.main.snapshot()
+            if self.logits_pool is not self.main:
+                for segment in self.logits_pool.snapshot():
+                    segment["segment_pool_id"] = self.PRIVATE_POOL
+                    segments.append(segment)
+        return sorted(segments, key=lambda segment: segment["address"])
 
     def counters(self) -> AllocatorCounters:
         main = AllocatorCounters.from_mapping(self.main.stats())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,14 +103,19 @@ class _SeededBackend:
 
 
 class _Watch(PrefillObserver):
-    def __init__(self, sim: CachingAllocatorSim) -> None:
+    def __init__(self, sim: CachingAllocatorSim, pause: Callable[[], None] | None = None) -> None:
         self.sim = sim
+        self.pause = pause
         self.peak = sim.reserved_bytes
         self.steps: list[GrowthStep] = []
         self._at_step = (sim.reserved_bytes, sim.num_device_alloc)
 
     def step_started(self, step: ChunkStep, launches: list[Launch]) -> None:
         self._at_step = (self.sim.reserved_bytes, self.sim.num_device_alloc)
+
+    def launch_started(self, step: ChunkStep, layer: int, index: int) -> None:
+        if self.pause is not None:   # the live forecast lets the serving threads run here
+            self.pause()
 
     def op_done(self, op: list[object]) -> None:
         if op[0] == "malloc" and self.sim.reserved_bytes > self.peak:
@@ -127,7 +133,7 @@ class _Watch(PrefillObserver):
 
 def forecast(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: Mode = "stock",
              alloc_conf: str | None = None, pattern: LaunchPattern | None = None,
-             capacity_bytes: int | None = None) -> Forecast:
+             capacity_bytes: int | None = None, pause: Callable[[], None] | None = None) -> Forecast:
     """Forecast a prefill of `tokens` from `state` (see the module's docstring).
 
     state: `read_allocator_state(torch.cuda.memory_snapshot(), device=...)` or `load_allocator_state(path)`.
@@ -135,6 +141,7 @@ def forecast(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: M
     mode: "stock" (width = kv length) or "fixed" (the padded width).
     alloc_conf: the process's PYTORCH_CUDA_ALLOC_CONF; None: the snapshot's recorded settings, else defaults.
     capacity_bytes: the device memory the allocator may reserve (None: unlimited).
+    pause: called before every launch of the simulated prefill (a background caller lets other threads run there).
     Raises ConfigError (SnapshotError) for a state or setting the simulator cannot start from.
     """
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
@@ -143,7 +150,7 @@ def forecast(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: M
     conf = alloc_conf if alloc_conf is not None else (state.alloc_conf or "")
     sim = seeded_simulator(state, conf, capacity_bytes=capacity_bytes)
     start = AllocatorCounters(sim.reserved_bytes, sim.allocated_bytes, 0, 0)
-    watch = _Watch(sim)
+    watch = _Watch(sim, pause)
     out_of_memory = False
     try:
         run_prefill(_SeededBackend(sim), shape, mode, tokens, pattern=pattern or LaunchPattern(), observer=watch)
@@ -161,19 +168,28 @@ def forecast(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: M
 
 
 def _token_list(text: str) -> list[int]:
+    from harness.argtypes import shown
+    from harness.limits import MAX_FORECAST_TOKEN_COUNTS, MAX_PREFILL_TOKENS
+
+    expected = (f"positive token counts separated by commas (at most {MAX_FORECAST_TOKEN_COUNTS}, each at most "
+                f"{MAX_PREFILL_TOKENS:,}), got {shown(text)}")
+    parts = text.split(",")
+    if len(parts) > MAX_FORECAST_TOKEN_COUNTS:
+        raise argparse.ArgumentTypeError(f"expected {expected}")
     values = []
-    for part in text.split(","):
+    for part in parts:
         part = part.strip().replace("_", "")
-        if not part.isdigit() or int(part) < 1:
-            raise argparse.ArgumentTypeError(f"expected positive token counts separated by commas, got {text!r}")
+        if not (part.isascii() and part.isdigit()) or len(part) > 8 or not 1 <= int(part) <= MAX_PREFILL_TOKENS:
+            raise argparse.ArgumentTypeError(f"expected {expected}")
         values.append(int(part))
     return values
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from harness.allocsim.cli import add_snapshot_arguments
-    from harness.argtypes import non_negative, positive
+    from harness.argtypes import bounded_float
     from harness.indexer.shape import add_shape_arguments
+    from harness.limits import MAX_CAPACITY_GIB, MAX_TRANSIENT_MIB
 
     parser.add_argument("--snapshot", type=Path, required=True, metavar="SNAP",
                         help="the process's allocator state: torch.cuda.memory_snapshot() saved as JSON, or a "
@@ -188,9 +204,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "else the defaults)")
     parser.add_argument("--keep-previous", action=argparse.BooleanOptionalAction, default=True,
                         help="keep the previous launch's logits alive while the next allocates (default: yes)")
-    parser.add_argument("--transient-mb", type=non_negative, default=0.0,
+    parser.add_argument("--transient-mb", type=bounded_float(0, MAX_TRANSIENT_MIB), default=0.0,
                         help="one more allocation of this many MiB per launch, freed at once")
-    parser.add_argument("--capacity-gb", type=positive, default=None,
+    parser.add_argument("--capacity-gb", type=bounded_float(0, MAX_CAPACITY_GIB, above_minimum=True), default=None,
                         help="the device memory the allocator may reserve, in GiB (default: unlimited)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     add_snapshot_arguments(parser)

@@ -142,6 +142,28 @@ def plan_launches(requests: Sequence[tuple[int, int]], shape: IndexerShape, mode
     return launches
 
 
+def launch_count(tokens: int, shape: IndexerShape, mode: Mode, *, limit: int | None = None) -> int:
+    """How many launches `plan_prefill(tokens, shape, mode)` makes per layer, without building the plan.
+
+    limit: stop counting once the count passes it (a bound is all a caller needs; cheap for any input).
+    """
+    check_mode(mode)
+    count = 0
+    done = 0
+    while done < tokens:
+        rows = min(shape.chunk, tokens - done)
+        done += rows
+        width = launch_width(kv_length(done, shape.compress_ratio), shape, mode)
+        if rows * width * FLOAT32_BYTES <= shape.logits_budget_bytes:
+            count += 1
+        else:
+            max_rows = max(1, shape.budget_elems // max(width, 1))
+            count += -(-rows // max_rows)
+        if limit is not None and count > limit:
+            break
+    return count
+
+
 PrefillPlan = list[tuple[ChunkStep, list[Launch]]]
 
 

@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.argtypes import non_negative, positive_int
+from harness import limits
+from harness.argtypes import bounded_float, bounded_int
 from harness.indexer.backends import ALLOCATORS, CudaBackend, LaunchBackend, SimBackend, cuda_available
-from harness.indexer.planner import MODES, ChunkStep, Launch, Mode, check_mode, plan_prefill
+from harness.indexer.planner import MODES, ChunkStep, Launch, Mode, check_mode, launch_count, plan_prefill
 from harness.indexer.prefill import LaunchPattern, Op, PrefillObserver, run_prefill
 from harness.indexer.shape import MIB, REFERENCE_SHAPE, IndexerShape, add_shape_arguments, shape_from_args
 from telemetry.allocator_counters import AllocatorCounters
@@ -73,10 +74,22 @@ class ReplayParams:
     pattern: LaunchPattern = field(default_factory=LaunchPattern)
 
     def __post_init__(self) -> None:
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
-            raise ConfigError(f"replay tokens must be a positive integer, got {self.tokens!r}")
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or not (
+                1 <= self.tokens <= limits.MAX_PREFILL_TOKENS):
+            raise ConfigError(f"replay tokens must be an integer from 1 to {limits.MAX_PREFILL_TOKENS:,}, "
+                              f"got {self.tokens!r}")
         if self.pattern.row_scale != 1.0:
             raise ConfigError("a replay runs full-size launches (row_scale 1)")
+        # Each launch is a few ops with counters kept in memory: bound the work before any of it is done.
+        steps = -(-self.tokens // self.shape.chunk)
+        per_layer = steps if steps * self.shape.layers > limits.MAX_REPLAY_LAUNCHES else max(
+            launch_count(self.tokens, self.shape, mode, limit=limits.MAX_REPLAY_LAUNCHES // self.shape.layers)
+            for mode in MODES)
+        if per_layer * self.shape.layers > limits.MAX_REPLAY_LAUNCHES:
+            raise ConfigError(
+                f"a replay of {self.tokens:,} tokens in {self.shape.chunk:,}-token chunks over {self.shape.layers:,} "
+                f"layers makes more than {limits.MAX_REPLAY_LAUNCHES:,} logits launches per arm (the limit); use "
+                "fewer layers or tokens, a larger chunk or a larger --budget-mb")
 
     def to_json(self) -> dict[str, Any]:
         return {"shape": self.shape.as_dict(), "tokens": self.tokens, "keep_previous": self.pattern.keep_previous,
@@ -403,8 +416,9 @@ __all__ = ["DEFAULT_TOKENS", "ArmReplay", "ArmSpec", "ArmSummary", "OpTrace", "R
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS,
-                        help=f"prefill length in tokens (default {DEFAULT_TOKENS})")
+    parser.add_argument("--tokens", type=bounded_int(1, limits.MAX_PREFILL_TOKENS), default=DEFAULT_TOKENS,
+                        help=f"prefill length in tokens (default {DEFAULT_TOKENS}, at most "
+                             f"{limits.MAX_PREFILL_TOKENS:,})")
     add_shape_arguments(parser, fixed_width=True, topk=True)
     parser.add_argument(
         "--arm", action="append", default=None, metavar="SPEC",
@@ -413,28 +427,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alloc-conf", default="", help="PYTORCH_CUDA_ALLOC_CONF applied to every arm")
     parser.add_argument("--keep-previous", action=argparse.BooleanOptionalAction, default=True,
                         help="keep the previous launch's logits alive while the next allocates (default: yes)")
-    parser.add_argument("--transient-mb", type=non_negative, default=0.0,
+    parser.add_argument("--transient-mb", type=bounded_float(0, limits.MAX_TRANSIENT_MIB), default=0.0,
                         help="interleave a transient allocation of this many MiB per launch (rounded down to bytes)")
     parser.add_argument("--allocator", choices=ALLOCATORS, default=None,
                         help="default: cuda if available, else sim")
     parser.add_argument("--device", default="cuda", help="CUDA device for --allocator cuda (default cuda)")
-    parser.add_argument("--capacity-gb", type=non_negative, default=None, help="simulated device capacity (sim only)")
+    parser.add_argument("--capacity-gb", type=bounded_float(0, limits.MAX_CAPACITY_GIB), default=None,
+                        help="simulated device capacity (sim only)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     parser.add_argument("--out", type=Path, default=None, help="directory for replay.json and the PNG plot")
-    parser.add_argument("--plot", type=Path, default=None,
-                        help="PNG path (default OUT/replay-reserved.png when --out is given)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                        help="PNG path, ending in .png (default OUT/replay-reserved.png when --out is given)")
     parser.add_argument("--record", type=Path, default=None,
                         help="write each arm's ops + counters in the truth format here")
     parser.add_argument("--cuda-worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
+    from harness.allocsim.simulator import SimulatedOutOfMemoryError
+
     if args.cuda_worker:
         return _cuda_worker()
     params = ReplayParams(shape_from_args(args), args.tokens,
                           LaunchPattern(keep_previous=args.keep_previous,
                                         transient_bytes=int(args.transient_mb * MIB)))
+    if args.arm is not None and len(args.arm) > limits.MAX_REPLAY_ARMS:
+        raise ConfigError(f"at most {limits.MAX_REPLAY_ARMS} --arm, got {len(args.arm)}")
     arms = [ArmSpec.parse(spec, args.alloc_conf) for spec in (args.arm or ["stock", "fixed"])]
+    if args.plot is not None and (args.plot.suffix.lower() != ".png" or args.plot.is_dir()):
+        raise ConfigError(f"--plot writes a PNG file: give a path ending in .png, got {args.plot}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out} is not a directory; expected a directory for replay.json and the plot")
+    if args.record is not None and args.record.is_dir():
+        raise ConfigError(f"--record {args.record} is a directory; expected a file path for the ops and counters")
     if args.allocator is None:
         allocator = "cuda" if cuda_available() else "sim"
         reason = ("default: CUDA is available" if allocator == "cuda"
@@ -446,18 +471,24 @@ def run(args: argparse.Namespace) -> int:
     capacity = int(args.capacity_gb * 1024**3) if args.capacity_gb else None
     try:
         result = replay(params, arms, allocator, device=args.device, capacity_bytes=capacity, reason=reason)
-    except MemoryError as exc:
-        raise RunError(f"out of simulated memory: {exc}") from None
-    if args.record:
-        write_records(result, args.record)
+    except SimulatedOutOfMemoryError as exc:
+        raise RunError(f"out of simulated memory (--capacity-gb {args.capacity_gb}): {exc}") from None
+    except MemoryError:  # this machine's memory, not the simulated device's (its message is empty)
+        raise RunError(f"this machine ran out of memory replaying {params.tokens:,} tokens over "
+                       f"{params.shape.layers:,} layers; replay fewer") from None
     summary = result.to_json()
     plot_path = args.plot or (args.out / "replay-reserved.png" if args.out else None)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "replay.json").write_text(json.dumps(summary, indent=1))
-    if plot_path:
-        write_plot(result, plot_path)
-        summary["plot"] = str(plot_path)
+    try:
+        if args.record:
+            write_records(result, args.record)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "replay.json").write_text(json.dumps(summary, indent=1))
+        if plot_path:
+            write_plot(result, plot_path)
+            summary["plot"] = str(plot_path)
+    except OSError as exc:
+        raise RunError(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}") from None
     if args.json:
         print(json.dumps(summary, indent=1))
     else:

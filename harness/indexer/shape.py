@@ -18,7 +18,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from harness.argtypes import non_negative_int, positive_int
+from harness import limits
+from harness.argtypes import bounded_int
 from telemetry.errors import ConfigError
 
 FLOAT32_BYTES = 4
@@ -27,6 +28,12 @@ MIB = 1024 * 1024
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The largest value of each field (harness/limits.py; docs/lab.md "Limits").
+SHAPE_MAXIMA = {"layers": limits.MAX_LAYERS, "chunk": limits.MAX_MODEL_LEN, "compress_ratio": limits.MAX_COMPRESS_RATIO,
+                "max_model_len": limits.MAX_MODEL_LEN}
+MAX_BUDGET_BYTES = int(limits.MAX_BUDGET_MIB * MIB)
 
 
 class ShapeError(ConfigError):
@@ -60,13 +67,21 @@ class IndexerShape:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
+            elif value > SHAPE_MAXIMA[name]:
+                problems.append(f"{name} must be at most {SHAPE_MAXIMA[name]:,}, got {value:,}")
         budget = self.logits_budget_bytes
         if not _is_int(budget) or budget < FLOAT32_BYTES:
             problems.append(f"logits_budget_bytes must be an integer >= {FLOAT32_BYTES} (one float32), got {budget!r}")
+        elif budget > MAX_BUDGET_BYTES:
+            problems.append(f"logits_budget_bytes must be at most {MAX_BUDGET_BYTES:,} (1 TiB), got {budget:,}")
         if self.fixed_width is not None and (not _is_int(self.fixed_width) or self.fixed_width < 1):
             problems.append(f"fixed_width must be a positive integer or None, got {self.fixed_width!r}")
+        elif self.fixed_width is not None and self.fixed_width > limits.MAX_MODEL_LEN:
+            problems.append(f"fixed_width must be at most {limits.MAX_MODEL_LEN:,}, got {self.fixed_width:,}")
         if not _is_int(self.topk) or self.topk < 0:
             problems.append(f"topk must be an integer >= 0, got {self.topk!r}")
+        elif self.topk > limits.MAX_TOPK:
+            problems.append(f"topk must be at most {limits.MAX_TOPK:,}, got {self.topk:,}")
         if problems:
             raise ShapeError("indexer shape: " + "; ".join(problems))
 
@@ -101,6 +116,8 @@ def budget_bytes_from_mib(mib: float) -> int:
     """A logits budget given in MiB as bytes: ``floor(mib × 1,048,576)``; ShapeError unless one float32 fits."""
     if not isinstance(mib, (int, float)) or isinstance(mib, bool) or not math.isfinite(mib):
         raise ShapeError(f"the logits budget must be a finite number of MiB, got {mib!r}")
+    if mib > limits.MAX_BUDGET_MIB:
+        raise ShapeError(f"the logits budget must be at most {limits.MAX_BUDGET_MIB:,.0f} MiB, got {mib!r} MiB")
     nbytes = math.floor(mib * MIB)
     if nbytes < FLOAT32_BYTES:
         raise ShapeError(f"the logits budget must hold at least one float32 ({FLOAT32_BYTES} bytes), got {mib!r} MiB")
@@ -132,24 +149,24 @@ def add_shape_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGrou
                         topk: bool = False) -> None:
     """The shape's flags, with `REFERENCE_SHAPE`'s values as defaults (`--fixed-width`, `--topk` if asked)."""
     ref = REFERENCE_SHAPE
-    parser.add_argument("--layers", type=positive_int, default=ref.layers,
+    parser.add_argument("--layers", type=bounded_int(1, limits.MAX_LAYERS), default=ref.layers,
                         help=f"indexer layers per chunk step (default {ref.layers})")
-    parser.add_argument("--chunk", type=positive_int, default=ref.chunk,
+    parser.add_argument("--chunk", type=bounded_int(1, limits.MAX_MODEL_LEN), default=ref.chunk,
                         help=f"prefill chunk in tokens (max-num-batched-tokens; default {ref.chunk})")
-    parser.add_argument("--max-model-len", type=positive_int, default=ref.max_model_len,
+    parser.add_argument("--max-model-len", type=bounded_int(1, limits.MAX_MODEL_LEN), default=ref.max_model_len,
                         help=f"context limit in tokens; the fixed width is ceil(max-model-len / compress-ratio) "
                              f"(default {ref.max_model_len})")
-    parser.add_argument("--compress-ratio", type=positive_int, default=ref.compress_ratio,
+    parser.add_argument("--compress-ratio", type=bounded_int(1, limits.MAX_COMPRESS_RATIO), default=ref.compress_ratio,
                         help=f"tokens per compressed kv entry (default {ref.compress_ratio})")
     parser.add_argument("--budget-mb", type=_budget_mib, default=ref.logits_budget_mib,
                         help=f"logits budget per launch in MiB (VLLM_SPARSE_INDEXER_MAX_LOGITS_MB; default "
                              f"{budget_mib_text(ref.logits_budget_bytes)}); a fraction is allowed and rounded down "
                              f"to whole bytes")
     if fixed_width:
-        parser.add_argument("--fixed-width", type=positive_int, default=None,
+        parser.add_argument("--fixed-width", type=bounded_int(1, limits.MAX_MODEL_LEN), default=None,
                             help="the fixed mode's width (overrides ceil(max-model-len / compress-ratio))")
     if topk:
-        parser.add_argument("--topk", type=non_negative_int, default=ref.topk,
+        parser.add_argument("--topk", type=bounded_int(0, limits.MAX_TOPK), default=ref.topk,
                             help="allocate top-k outputs (values f32 + indices i64, [rows, K]) per launch (default 0)")
 
 

@@ -16,9 +16,11 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import threading
 
-from harness.argtypes import fraction, non_negative, port, positive_int
+from harness import limits
+from harness.argtypes import bounded_float, bounded_int, fraction, port
 from harness.indexer.backends import ALLOCATORS, default_allocator
 from harness.indexer.planner import MODES
 from harness.indexer.shape import add_shape_arguments, shape_from_args
@@ -46,7 +48,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--arm", dest="mode", required=True, choices=MODES,
                        help="the width mode: stock: logits as wide as the kv so far; fixed: one padded width "
                             "from the first chunk")
-    serve.add_argument("--ranks", type=positive_int, default=defaults.ranks,
+    serve.add_argument("--ranks", type=bounded_int(1, limits.MAX_LAB_RANKS), default=defaults.ranks,
                        help=f"rank processes, one GPU each when there are GPUs (default {defaults.ranks})")
     serve.add_argument("--allocator", choices=ALLOCATORS, default=None,
                        help="cuda: real CUDA allocations; sim: the caching-allocator simulator with host-backed "
@@ -55,7 +57,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--scale", type=fraction, default=None,
                        help=f"multiply the rows (so the bytes) of every logits launch by S, so the unified-memory "
                             f"emulation fits this machine (default {DEFAULT_SIM_SCALE} with sim, 1 with cuda)")
-    serve.add_argument("--time-scale", type=non_negative, default=DEFAULT_SIM_TIME_SCALE,
+    serve.add_argument("--time-scale", type=bounded_float(0, limits.MAX_TIME_SCALE), default=DEFAULT_SIM_TIME_SCALE,
                        help=f"multiply the cost model's times by X (default {DEFAULT_SIM_TIME_SCALE}): the prefill "
                             f"on sim (calibrated to a 54 s cold 100k-token prefill; cuda prefills take real time) and "
                             f"each output token (50 ms) on both")
@@ -81,7 +83,13 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
     memtel_port = args.memtel_port
     if memtel_port is None:
         env_port = os.environ.get("MEMTEL_PORT", "").strip()
-        memtel_port = int(env_port) if env_port.isascii() and env_port.isdigit() else HOOK_DEFAULT_PORT
+        valid = env_port.isascii() and env_port.isdigit() and len(env_port) <= 5 and 1 <= int(env_port) <= 65535
+        if env_port and not valid:
+            raise ConfigError(f"MEMTEL_PORT={env_port[:20]!r}: expected a port number in 1..65535 (ASCII digits)")
+        memtel_port = int(env_port) if env_port else HOOK_DEFAULT_PORT
+    if not args.no_hook and memtel_port + args.ranks - 1 > 65535:
+        raise ConfigError(f"the hook exporters listen on {memtel_port} + rank: {memtel_port} + {args.ranks - 1} "
+                          "is past 65535; choose a lower --memtel-port")
     return LabConfig(
         mode=args.mode, ranks=args.ranks, allocator=allocator, shape=shape_from_args(args), scale=scale,
         time_scale=args.time_scale,
@@ -108,6 +116,8 @@ def serve(config: LabConfig, host: str, port: int, model_name: str) -> int:
     service = LabService(engine, model_name, config.shape.max_model_len)
     try:
         httpd = make_server(service, host, port)  # bind first: a port in use fails before any rank starts
+    except socket.gaierror as exc:  # a host name that does not resolve, an address that is not one
+        raise ConfigError(f"--host {host!r}: not an address of this machine ({exc.strerror or exc})") from None
     except OSError as exc:
         raise RunError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     stopping = threading.Event()

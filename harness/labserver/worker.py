@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from harness.indexer.backends import CudaBackend, LaunchBackend, SimBackend
 from harness.indexer.planner import ChunkStep, Launch, Mode
@@ -147,11 +147,21 @@ class Rank:
             return
         import telemetry
         from telemetry.hook import set_allocator_source
+        from telemetry.hook.config import forecast_options
+        from telemetry.hook.forecast import set_forecast_workload
 
-        if self.config.allocator == "sim":
-            set_allocator_source(self.backend.counters)
+        sim = self.config.allocator == "sim"
+        if sim:
+            set_allocator_source(self.backend.counters, snapshot=cast(SimBackend, self.backend).snapshot)
+        # The live forecast (MEMTEL_FORECAST_TOKENS ...) simulates this rank's own workload: its shape, mode and
+        # row scale, and on sim its allocator settings (on cuda, torch's: the environment's).
+        forecast = forecast_options(os.environ)
+        if forecast:
+            set_forecast_workload(self.config.shape, mode=self.config.mode, pattern=self.pattern,
+                                  alloc_conf=self.config.alloc_conf if sim else None)
         self.hook_handle = telemetry.install([HOOK_PRESET], port=self.config.memtel_port,
-                                             log_dir=self.config.memtel_log_dir, addr=self.config.memtel_addr)
+                                             log_dir=self.config.memtel_log_dir, addr=self.config.memtel_addr,
+                                             **forecast)
         # The hook starts its exporter at a process's first hooked call; one empty launch (0 rows,
         # nothing allocated) brings it up now, so a scrape before the first request finds this rank.
         self.backend.release(self.backend.launch(0, 0, 0))

@@ -9,11 +9,13 @@ Importing this package never imports torch.
 Modules: config (the one configuration), session (install, the process's start, the unresolved
 check), record (the hot path), state (the numbers), collector and exporter (Prometheus), line_format
 and log_writer (the call log), allocator (the allocator readers), guards (compile/capture
-pass-through), rank, targets (parse, patch, import watcher) and presets.
+pass-through), rank, targets (parse, patch, import watcher) and presets; forecast/ (the live forecast:
+a thread that simulates the next prefill from the allocator's snapshot, docs/hook.md "Live forecast").
 """
 
 from telemetry.hook.allocator import set_allocator_source
 from telemetry.hook.config import DEFAULT_PORT, HookConfig
+from telemetry.hook.forecast import set_forecast_workload
 from telemetry.hook.presets import PRESETS
 from telemetry.hook.session import HookHandle, active_handle, install, install_config
 from telemetry.hook.targets import Target, parse_target, parse_targets
@@ -30,4 +32,5 @@ __all__ = [
     "parse_target",
     "parse_targets",
     "set_allocator_source",
+    "set_forecast_workload",
 ]

@@ -2,9 +2,12 @@
 
 One file per process that ran a hooked call: `<log dir>/memtel-calls-rank<rank>-pid<pid>.jsonl`, one
 JSON object per call with the keys of `KEYS` (telemetry/hook/line_format.py writes them; the allocator
-keys are absent in a process without an allocator, `shape` is there only when asked for). Readers
-(the A/B report, the demo's notes) use `read_call_log` / `read_call_logs` and the `CallRecord` they
-return, never a glob or a key of their own.
+keys are absent in a process without an allocator, `shape` is there only when asked for). A long-running
+process's file is rotated into numbered segments, `...pid<pid>.0001.jsonl`, gzip-compressed to
+`...pid<pid>.0001.jsonl.gz` (telemetry/hook/log_writer.py); its records continue in the next segment and
+end in the unnumbered file. Readers (the A/B report, the demo's notes) use `call_log_files`,
+`read_call_log` / `read_call_logs` / `read_call_columns` and the `CallRecord` they return, never a glob or
+a key of their own: they read segments and the current file alike, in order.
 
 `read_call_columns` reads the same logs column by column (8 bytes a value, no object per call): a
 prefill with a tiny logits budget makes millions of hooked calls, and a report must not need gigabytes
@@ -15,8 +18,11 @@ Small and dependency-free on purpose: the hook's writer imports `log_file_name` 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import re
+import zlib
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +32,9 @@ from typing import Any
 from telemetry.allocator_counters import FIELDS, AllocatorCounters
 
 FILE_PREFIX = "memtel-calls-rank"
-FILE_GLOB = "memtel-calls-rank*-pid*.jsonl"
+FILE_GLOB = "memtel-calls-rank*-pid*.jsonl"  # a process's current file (segments: `call_log_files`)
+_ANY_FILE_GLOB = "memtel-calls-rank*-pid*.jsonl*"
+_FILE_NAME = re.compile(r"memtel-calls-rank(\d+)-pid(\d+)(?:\.(\d{4,}))?\.jsonl(\.gz)?")
 
 # Keys of a record, in the order they are written.
 KEYS = ("ts", "call", "site", "rank", "pid", "node", "device", *FIELDS, "mem_available_bytes", "swap_free_bytes",
@@ -38,8 +46,28 @@ def log_file_name(rank: int, pid: int) -> str:
     return f"{FILE_PREFIX}{rank}-pid{pid}.jsonl"
 
 
+def segment_file_name(rank: int, pid: int, segment: int) -> str:
+    """The name of segment `segment` (from 1) rotated out of process `pid`'s log (plain; `.gz` once compressed)."""
+    return f"{FILE_PREFIX}{rank}-pid{pid}.{segment:04d}.jsonl"
+
+
 def log_file_path(log_dir: str, rank: int, pid: int) -> str:
     return os.path.join(log_dir, log_file_name(rank, pid))
+
+
+def _open_text(path: str | Path):
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def _lines(path: str | Path) -> Iterator[str]:
+    """The lines of a log file, plain or gzip; a cut gzip stream ends the file where it was cut."""
+    with _open_text(path) as lines:
+        try:
+            yield from lines
+        except (EOFError, OSError, zlib.error):  # a truncated or corrupt segment: keep what came before
+            return
 
 
 @dataclass(frozen=True)
@@ -80,14 +108,13 @@ def iter_call_log(path: str | Path) -> Iterator[CallRecord]:
     A log whose process was killed may end in a cut line; a full disk may leave others. Neither stops
     a reader: the records around them are still good.
     """
-    with open(path, encoding="utf-8", errors="replace") as lines:
-        for line in lines:
-            try:
-                data = json.loads(line)
-                if isinstance(data, dict):
-                    yield CallRecord.from_json(data)
-            except (ValueError, KeyError, TypeError):
-                continue
+    for line in _lines(path):
+        try:
+            data = json.loads(line)
+            if isinstance(data, dict):
+                yield CallRecord.from_json(data)
+        except (ValueError, KeyError, TypeError):
+            continue
 
 
 def read_call_log(path: str | Path) -> list[CallRecord]:
@@ -95,9 +122,23 @@ def read_call_log(path: str | Path) -> list[CallRecord]:
 
 
 def call_log_files(log_dir: str | Path) -> list[Path]:
-    """The call logs in a directory, sorted by name (nothing when it does not exist)."""
+    """The call logs in a directory, each process's segments in order before its current file (nothing when
+    the directory does not exist). A segment present both plain and compressed (a compression cut short
+    after its rename) is listed once, plain."""
     directory = Path(log_dir)
-    return sorted(directory.glob(FILE_GLOB)) if directory.is_dir() else []
+    if not directory.is_dir():
+        return []
+    found: dict[tuple[int, int, int], Path] = {}
+    for path in directory.glob(_ANY_FILE_GLOB):
+        match = _FILE_NAME.fullmatch(path.name)
+        if match is None:
+            continue  # a compressor's temporary file, or not a call log
+        rank, pid, segment, gz = int(match[1]), int(match[2]), match[3], match[4]
+        order = int(segment) if segment else 1 << 62  # the current file comes last
+        key = (rank, pid, order)
+        if key not in found or not gz:
+            found[key] = path
+    return [found[key] for key in sorted(found)]
 
 
 def read_call_logs(*log_dirs: str | Path) -> dict[int, list[CallRecord]]:
@@ -146,21 +187,20 @@ def read_call_columns_of(path: str | Path) -> tuple[int | None, CallColumns]:
     reserved, device_alloc = columns.reserved_bytes.append, columns.num_device_alloc.append
     rank: int | None = None
     loads = json.loads
-    with open(path, encoding="utf-8", errors="replace") as lines:
-        for line in lines:
-            try:
-                data = loads(line)
-                values = (float(data["ts"]), int(data["pid"]), int(data["call"]), int(data["rank"]))
-                allocator = (int(data["reserved_bytes"]), int(data["num_device_alloc"])) if "reserved_bytes" in data \
-                    else (NO_ALLOCATOR, NO_ALLOCATOR)
-            except (ValueError, KeyError, TypeError):
-                continue
-            ts(values[0])
-            pid(values[1])
-            call(values[2])
-            rank = values[3] if rank is None else rank
-            reserved(allocator[0])
-            device_alloc(allocator[1])
+    for line in _lines(path):
+        try:
+            data = loads(line)
+            values = (float(data["ts"]), int(data["pid"]), int(data["call"]), int(data["rank"]))
+            allocator = (int(data["reserved_bytes"]), int(data["num_device_alloc"])) if "reserved_bytes" in data \
+                else (NO_ALLOCATOR, NO_ALLOCATOR)
+        except (ValueError, KeyError, TypeError):
+            continue
+        ts(values[0])
+        pid(values[1])
+        call(values[2])
+        rank = values[3] if rank is None else rank
+        reserved(allocator[0])
+        device_alloc(allocator[1])
     return rank, columns
 
 
@@ -183,4 +223,4 @@ def read_call_columns(*log_dirs: str | Path) -> dict[int, CallColumns]:
 
 __all__ = ["FILE_GLOB", "KEYS", "NO_ALLOCATOR", "CallColumns", "CallRecord", "call_log_files", "iter_call_log",
            "log_file_name", "log_file_path", "read_call_columns", "read_call_columns_of", "read_call_log",
-           "read_call_logs"]
+           "read_call_logs", "segment_file_name"]

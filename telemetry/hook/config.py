@@ -9,26 +9,38 @@ saying what is expected). An unset or blank variable leaves the default.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from telemetry.errors import ConfigError
+from telemetry.hook.forecast.settings import DEFAULT_INTERVAL_S, check_interval, check_tokens
 from telemetry.hook.targets import parse_target, parse_targets
 from telemetry.procfs.meminfo import MEMINFO_PATH
 
+if TYPE_CHECKING:
+    from telemetry.hook.forecast.workload import ForecastWorkload
+
+log = logging.getLogger("memtel.hook")
+
 DEFAULT_PORT = 9200
+FORECAST = ("forecast_tokens", "the live forecast")  # a bad MEMTEL_FORECAST_* value turns off the forecast only
 DEFAULT_UNRESOLVED_AFTER_S = 300.0
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def env(name: str, parse: Callable[[str, str], Any]) -> dict[str, Any]:
-    """Field metadata: the setting is read from environment variable `name` with `parse(name, text)`."""
-    return {"env": name, "parse": parse}
+def env(name: str, parse: Callable[[str, str], Any], *, turns_off: tuple[str, str] | None = None) -> dict[str, Any]:
+    """Field metadata: the setting is read from environment variable `name` with `parse(name, text)`.
+
+    turns_off: (field, feature): a bad value does not stop the hook, it logs one line and leaves `field`
+    (the feature's switch) at its default, off.
+    """
+    return {"env": name, "parse": parse, "turns_off": turns_off}
 
 
 def parse_flag(name: str, text: str) -> bool:
@@ -58,6 +70,20 @@ def parse_text(name: str, text: str) -> str:
 
 def parse_path(name: str, text: str) -> str:
     return text  # a path is taken as written (it may start or end with a space)
+
+
+def parse_forecast_tokens(name: str, text: str) -> tuple[int, ...]:
+    return check_tokens(text, name)
+
+
+def parse_forecast_interval(name: str, text: str) -> float:
+    return check_interval(text, name)
+
+
+def parse_forecast_shape(name: str, text: str) -> ForecastWorkload:
+    from telemetry.hook.forecast.workload import workload_from_text
+
+    return workload_from_text(text, name)
 
 
 def parse_target_list(name: str, text: str) -> tuple[str, ...]:
@@ -94,6 +120,16 @@ class HookConfig:
     unresolved_at_first_call: bool = False
     node: str | None = None         # the `node` label and record field (None: the host name)
     meminfo_path: str = MEMINFO_PATH
+    # The live forecast (docs/hook.md, "Live forecast"): prefill lengths in tokens (empty: off; a string
+    # "100000,200000" is accepted), seconds between forecasts, and the indexer workload where the engine does
+    # not give it (MEMTEL_FORECAST_SHAPE's text or a ForecastWorkload; None: the engine's or the reference).
+    forecast_tokens: tuple[int, ...] = field(
+        default=(), metadata=env("MEMTEL_FORECAST_TOKENS", parse_forecast_tokens, turns_off=FORECAST))
+    forecast_interval_s: float = field(
+        default=DEFAULT_INTERVAL_S,
+        metadata=env("MEMTEL_FORECAST_INTERVAL_S", parse_forecast_interval, turns_off=FORECAST))
+    forecast_shape: ForecastWorkload | None = field(
+        default=None, metadata=env("MEMTEL_FORECAST_SHAPE", parse_forecast_shape, turns_off=FORECAST))
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -126,6 +162,16 @@ class HookConfig:
                               f"got {self.unresolved_after_s!r}")
         if self.node is not None and (not isinstance(self.node, str) or not self.node):
             raise ConfigError(f"node must be a non-empty name (or None for the host name), got {self.node!r}")
+        set_(self, "forecast_tokens", check_tokens(self.forecast_tokens))
+        set_(self, "forecast_interval_s", check_interval(self.forecast_interval_s))
+        if isinstance(self.forecast_shape, str):
+            set_(self, "forecast_shape", parse_forecast_shape("forecast_shape", self.forecast_shape))
+        elif self.forecast_shape is not None:
+            from telemetry.hook.forecast.workload import ForecastWorkload
+
+            if not isinstance(self.forecast_shape, ForecastWorkload):
+                raise ConfigError("forecast_shape must be MEMTEL_FORECAST_SHAPE's key=value text or a "
+                                  f"ForecastWorkload, got {self.forecast_shape!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **defaults: Any) -> HookConfig | None:
@@ -142,13 +188,7 @@ class HookConfig:
         if not targets.strip():
             raise ConfigError("MEMTEL_ENABLE is on but MEMTEL_TARGETS is empty: expected comma-separated "
                               '"package.module:function" targets or preset names')
-        values = dict(defaults)
-        for setting in fields(cls):
-            name = setting.metadata.get("env")
-            text = environ.get(name, "") if name else ""
-            if text.strip():
-                values[setting.name] = setting.metadata["parse"](name, text)
-        return cls(**values)
+        return cls(**{**defaults, **_env_values(environ, fields(cls))})
 
     def options(self) -> dict[str, Any]:
         """Every setting but the targets (two installs in one process must agree on these)."""
@@ -156,6 +196,37 @@ class HookConfig:
 
 
 ENV_VARIABLES = ("MEMTEL_ENABLE", *(f.metadata["env"] for f in fields(HookConfig) if "env" in f.metadata))
+
+
+def _env_values(environ: Mapping[str, str], settings: Iterable[Any]) -> dict[str, Any]:
+    """The values `environ` gives `settings` (dataclass fields with `env` metadata). A bad value raises
+    ConfigError, or, for a setting that `turns_off` a feature, logs one line and leaves that feature off."""
+    values: dict[str, Any] = {}
+    turned_off: set[str] = set()
+    for setting in settings:
+        name = setting.metadata.get("env")
+        text = environ.get(name, "") if name else ""
+        if text.strip():
+            try:
+                values[setting.name] = setting.metadata["parse"](name, text)
+            except ConfigError as error:
+                if setting.metadata.get("turns_off") is None:
+                    raise
+                switch, feature = setting.metadata["turns_off"]
+                log.error("memtel: %s; %s is off (the rest of the hook is not affected)", error, feature)
+                turned_off.add(switch)
+    for switch in turned_off:
+        values.pop(switch, None)   # back to its default: off
+    return values
+
+
+def forecast_options(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The live forecast's settings in `environ` (MEMTEL_FORECAST_*) as `install()` options, for programs that
+    install the hook with options (the lab server's ranks); {} when off. Never raises: a bad value is one
+    log line and the forecast off."""
+    settings = [f for f in fields(HookConfig) if f.metadata.get("turns_off") == FORECAST]
+    values = _env_values(environ, settings)
+    return values if values.get("forecast_tokens") else {}
 
 
 def _positive_seconds(value: object) -> bool:
@@ -174,4 +245,4 @@ def _target_names(value: object, *, presets_allowed: bool, empty_ok: bool = Fals
     return tuple(dict.fromkeys(parse_target(item).name for item in items if item != ""))
 
 
-__all__ = ["DEFAULT_PORT", "ENV_VARIABLES", "HookConfig", "env", "parse_flag", "parse_port"]
+__all__ = ["DEFAULT_PORT", "ENV_VARIABLES", "HookConfig", "env", "forecast_options", "parse_flag", "parse_port"]

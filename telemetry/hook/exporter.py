@@ -16,6 +16,9 @@ from prometheus_client.registry import CollectorRegistry
 class ExporterHandle(Protocol):
     port: int
 
+    @property
+    def url(self) -> str: ...   # "https://host:port" under a web config with TLS, else "http://host:port"
+
     def stop(self) -> None: ...
 
     def close_after_fork(self) -> None: ...

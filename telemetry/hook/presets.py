@@ -103,7 +103,7 @@ PRESETS: dict[str, tuple[PresetSite, ...]] = {
             call_sites=("sglang.srt.layers.attention.dsa.utils",),
             lookup="module global",
             why="the pure-torch fallback the resolver returns instead with SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 "
-                "(no DeepGEMM); it allocates the float32 logits itself (torch.zeros)",
+                "(no DeepGEMM; read once, like deep_gemm's); it allocates the float32 logits itself (torch.zeros)",
             layer="sglang.srt.layers.attention.dsa.dsa_indexer:Indexer",
         ),
     ),
@@ -145,9 +145,10 @@ PRESETS: dict[str, tuple[PresetSite, ...]] = {
     "lab-indexer": (
         PresetSite(
             target="harness.indexer.launch:indexer_logits_launch",
-            call_sites=("harness.indexer.launch",),
-            lookup="module global",
-            why="the lab server and `memtel replay` call it once per logits launch (docs/architecture.md)",
+            call_sites=("harness.indexer.backends",),
+            lookup="module attribute",
+            why="the launch backends of the lab server, `memtel replay` and the demo call it as "
+                "`indexer.indexer_logits_launch` once per logits launch (docs/architecture.md)",
         ),
     ),
 }

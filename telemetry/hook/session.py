@@ -31,6 +31,8 @@ from telemetry.hook import allocator, guards, presets
 from telemetry.hook.collector import HookCollector
 from telemetry.hook.config import HookConfig
 from telemetry.hook.exporter import ExporterHandle, start_exporter
+from telemetry.hook.forecast.collector import ForecastCollector
+from telemetry.hook.forecast.runner import Forecaster
 from telemetry.hook.log_writer import CallLogWriter
 from telemetry.hook.rank import RankInfo, resolve_rank
 from telemetry.hook.record import Recorder, make_wrapper
@@ -105,6 +107,11 @@ class HookHandle:
         return self._session.collector
 
     @property
+    def forecaster(self) -> Forecaster | None:
+        """The live forecast of this process (None: MEMTEL_FORECAST_TOKENS not set)."""
+        return self._session.forecaster
+
+    @property
     def log_path(self) -> str | None:
         writer = self._session.recorder.log
         return writer.path if writer is not None else None
@@ -114,11 +121,12 @@ class HookHandle:
         exporter = self._session.exporter
         return exporter.port if exporter is not None else None
 
-    def check_unresolved(self, when: str = "when asked") -> dict[str, str]:
+    def check_unresolved(self, when: str = "when asked", *, start: bool = True) -> dict[str, str]:
         """Report the targets not resolved now, once (a warning and memtel_hook_unresolved_targets), and start
         this process's exporter and log: what the model-loaded signal or the timer does. Returns them.
-        `when` completes the warning ("... not resolved <when> in pid N")."""
-        return self._session.check_unresolved(when)
+        `when` completes the warning ("... not resolved <when> in pid N"); `start=False`: the warning only
+        (the process starts later, at its first hooked call, if ever)."""
+        return self._session.check_unresolved(when, start=start)
 
     def flush(self) -> None:
         """Write every waiting call-log record now. Never raises (a failed write is counted and logged)."""
@@ -154,6 +162,16 @@ class HookSession:
         self.extra_registry = registry
         if registry is not None:
             registry.register(self.collector)
+        self.forecaster: Forecaster | None = None
+        self._model_loaded_seen = False
+        if config.forecast_tokens:
+            self.forecaster = Forecaster(config.forecast_tokens, config.forecast_interval_s,
+                                         config_workload=config.forecast_shape,
+                                         waiting_for_model=self._waiting_for_model)
+            self.forecast_collector = ForecastCollector(self.forecaster, self.state)
+            self.registry.register(self.forecast_collector)
+            if registry is not None:
+                registry.register(self.forecast_collector)
         self.exporter: ExporterHandle | None = None
         self.wrap = make_wrapper(self.recorder.record)
         self.signal_wrap = _make_signal_wrapper(self._model_loaded)
@@ -237,13 +255,15 @@ class HookSession:
             state = self.state
             if state.started or self.closed:
                 return
-            rank = resolve_rank()
+            rank = resolve_rank(start=True)
             with state.lock:
                 state.rank = rank
                 state.started = True
             if self.log is not None and not self.log.open(rank.rank):
                 self.recorder.log = None
             self._start_exporter(rank)
+            if self.forecaster is not None:
+                self.forecaster.start()
             if self.recorder.log is not None:
                 self._flush_at_exit()
             self._announce(rank)
@@ -268,7 +288,10 @@ class HookSession:
         hooked = sorted(name for name, status in self.state.targets.items() if status == INSTALLED)
         unresolved = self.state.unresolved()
         if self.exporter is not None:
-            exporter = f"http://{self.config.addr}:{self.exporter.port}/metrics"
+            from telemetry.exporter.address import format_listen  # loaded with the exporter, not before
+
+            scheme = self.exporter.url.partition("://")[0]
+            exporter = f"{scheme}://{format_listen(self.config.addr, self.exporter.port)}/metrics"
         else:
             exporter = ("off (no port: MEMTEL_PORT=off)" if self.config.port is None
                         else "not started (see the line above)")
@@ -277,9 +300,10 @@ class HookSession:
         else:
             call_log = ("off (no log directory: MEMTEL_LOG_DIR unset)" if self.log is None
                         else "off (see the line above)")
+        forecast = "off (no lengths: MEMTEL_FORECAST_TOKENS)" if self.forecaster is None else self.forecaster.describe()
         log.info("memtel hook on in pid %d: rank %d (local rank %d, from %s); hooked: %s; unresolved: %s; "
-                 "exporter: %s; call log: %s", os.getpid(), rank.rank, rank.local_rank, rank.source,
-                 ", ".join(hooked) or "none", ", ".join(sorted(unresolved)) or "none", exporter, call_log)
+                 "exporter: %s; call log: %s; forecast: %s", os.getpid(), rank.rank, rank.local_rank, rank.source,
+                 ", ".join(hooked) or "none", ", ".join(sorted(unresolved)) or "none", exporter, call_log, forecast)
 
     def _model_loaded(self, loaded: Target, args: tuple) -> None:
         """A model-loaded signal returned: `args[0]` is the engine's worker; its `get_model()` (vLLM) or its
@@ -292,7 +316,18 @@ class HookSession:
                 self._mark_targets_not_in_model(model)
         except Exception as error:  # another engine's worker: the install status alone is reported
             log.debug("memtel: cannot look into the loaded model: %r", error)
+        self._model_loaded_seen = True
+        if self.forecaster is not None:
+            self.forecaster.model_loaded(worker)   # the engine's indexer workload, before the announcement
         self.check_unresolved("after the model loaded")
+
+    def _waiting_for_model(self) -> bool:
+        """A model-loaded signal is patched (its engine's worker module is imported: this process is an engine's
+        worker) and has not fired: the engine's workload is not known yet."""
+        if self._model_loaded_seen:
+            return False
+        with self.lock:
+            return any(t in self.patches for t in self.signals)
 
     def _mark_targets_not_in_model(self, model: Any) -> None:
         """Installed targets whose preset layer (presets.LAYERS) the model does not contain: NOT_IN_MODEL."""
@@ -315,9 +350,10 @@ class HookSession:
                         and name not in self.state.sites):
                     self.state.targets[name] = NOT_IN_MODEL
 
-    def check_unresolved(self, when: str) -> dict[str, str]:
+    def check_unresolved(self, when: str, *, start: bool = True) -> dict[str, str]:
         """Warn once about configured targets that are not installed, then start the process (exporter up, so
-        memtel_hook_unresolved_targets can be scraped even where nothing was ever recorded)."""
+        memtel_hook_unresolved_targets can be scraped even where nothing was ever recorded) unless `start`
+        is False."""
         with self.lock:
             if self.closed:
                 return {}
@@ -328,10 +364,11 @@ class HookSession:
         if first and unresolved:
             details = "; ".join(f"{name} ({_why(name, status)})" for name, status in sorted(unresolved.items()))
             log.warning("memtel: %d of %d hook targets not resolved %s in pid %d, nothing is recorded for them: %s. "
-                        "Check the names against this program's version (docs/hook.md, \"Unresolved targets\"); "
-                        "memtel_hook_unresolved_targets shows them", len(unresolved), len(self.state.targets), when,
-                        os.getpid(), details)
-        self.start_process()
+                        "Check the names against this program's version (docs/hook.md, \"Unresolved targets\")%s",
+                        len(unresolved), len(self.state.targets), when, os.getpid(), details,
+                        "; memtel_hook_unresolved_targets shows them" if start else "")
+        if start:
+            self.start_process()
         return unresolved
 
     # flushing the log on SIGTERM and at a multiprocessing child's exit (only where something records)
@@ -386,6 +423,8 @@ class HookSession:
             self.patches.clear()
             self.pending.clear()
             self.watcher.close()
+        if self.forecaster is not None:
+            self.forecaster.stop()
         self.recorder.close()
         if self.log is not None:
             self.log.close()
@@ -396,10 +435,12 @@ class HookSession:
                 pass
             self.exporter = None
         if self.extra_registry is not None:
-            try:
-                self.extra_registry.unregister(self.collector)
-            except KeyError:
-                pass
+            for collector in (self.collector, getattr(self, "forecast_collector", None)):
+                try:
+                    if collector is not None:
+                        self.extra_registry.unregister(collector)
+                except KeyError:
+                    pass
         if self._sigterm_installed and threading.current_thread() is threading.main_thread():
             try:
                 if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
@@ -421,6 +462,8 @@ class HookSession:
         self._timer = None
         self.state.reset_after_fork()
         allocator.current_reader().reset()
+        if self.forecaster is not None:
+            self.forecaster.reset_after_fork()
         guards.reset()   # (the meminfo descriptor is dropped by procfile's own at-fork handler)
         if self.exporter is not None:
             self.exporter.close_after_fork()

@@ -7,8 +7,11 @@ counts and are returned as they are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from telemetry.procfs.procfile import ProcFile
 
+_read_fields_compiled: Callable[[int], tuple[int | None, int | None]] | None
 try:  # the compiled fast path (setup.py); absent where the install had no C compiler
     from telemetry.procfs._meminfo_speedups import read_available_and_swap_free as _read_fields_compiled
 except ImportError:
@@ -77,7 +80,7 @@ class MeminfoReader(ProcFile):
         if fd is None:
             fd = self.fileno()
         try:
-            return _read_fields_compiled(fd)
+            return _read_fields_compiled(fd)  # type: ignore[misc]  # not None: self.compiled says so
         except OSError:
             self.close()
             raise

@@ -17,7 +17,6 @@ import pytest
 from harness.ab.records import RequestDone, Scrape, read_records
 from harness.ab.report import (
     CallSeries,
-    Difference,
     Report,
     RunDirectoryError,
     Section,
@@ -28,6 +27,7 @@ from harness.ab.report import (
     write_report,
 )
 from harness.ab.report import markdown as md
+from harness.ab.report.stats import Estimate, PairedDifference
 from telemetry.allocator_counters import AllocatorCounters
 from telemetry.hook.call_log import CallRecord, read_call_logs
 
@@ -77,22 +77,24 @@ def test_spreads_and_differences_over_repeats(run_dir):
     metrics = compute_metrics(load_run(run_dir))
     step = metrics.run.steps[0]
     stock = sorted(known(metrics.requests[("stock", r, step)].ttft_client_s) for r in (0, 1))
-    fixed = sorted(known(metrics.requests[("fixed", r, step)].ttft_client_s) for r in (0, 1))
     assert metrics.spread("stock", step, lambda m: m.ttft_client_s) == Spread(statistics.median(stock), stock[0],
                                                                               stock[1], 2)
-    difference = metrics.difference("stock", "fixed", step, lambda m: m.ttft_client_s)
-    overlap = stock[0] <= fixed[1] and fixed[0] <= stock[1]
-    assert difference == Difference(statistics.median(stock) - statistics.median(fixed), overlap)
+    difference = metrics.paired("stock", "fixed", step, lambda m: m.ttft_client_s)
+    pairs = [known(metrics.requests[("stock", r, step)].ttft_client_s)
+             - known(metrics.requests[("fixed", r, step)].ttft_client_s) for r in (0, 1)]
+    assert difference.repeats == [0, 1] and difference.estimate == Estimate.of(pairs)
 
 
-def test_spread_statement():
+def test_difference_statement():
     def note(a, b):
-        return md.difference(Difference.of(Spread.of(a), Spread.of(b)), 1.0, " s")
+        return md.difference(PairedDifference.of("a", "b", dict(enumerate(zip(a, b, strict=True)))), 1.0, " s")
 
-    assert note([1.0, 1.2, 1.4], [1.1, 1.3, 1.5]) == "-0.1 s (inside the spread)"
-    assert note([1.0, 1.1, 1.2], [2.0, 2.1, 2.2]) == "-1.0 s"
-    assert note([1.0], [2.0]) == "-1.0 s"  # one repeat: no spread to compare with
-    assert note([], [2.0]) == "n/a"
+    assert note([1.0, 1.2, 1.4], [1.1, 1.1, 1.5]) == "-0.0 s (within the noise)"
+    assert note([1.0, 1.1, 1.2], [2.0, 2.1, 2.3]) == "-1.0 s (significant)"
+    assert note([1.0, 1.1], [2.0, 2.1]) == "-1.0 s (significant)"  # the same difference in every repeat
+    assert note([1.0, 1.1], [1.0, 1.1]) == "+0.0 s (no difference)"
+    assert note([1.0], [2.0]) == "-1.0 s (one repeat: no noise estimate)"
+    assert note([None], [2.0]) == "n/a"
     assert md.spread(Spread.of([1.0, 2.0, 4.0]), digits=1) == "2.0 [1.0–4.0]"
 
 
@@ -128,7 +130,7 @@ def test_a_failed_and_a_missing_request_are_listed(run_dir):
     assert [(f.kind, f.reason) for f in metrics.failures] == [("failed", "RemoteProtocolError: peer closed connection")]
     report = write_report(run_dir).read_text()
     assert "status **unfinished**" in report
-    assert f"- {dropped['arm']} r{dropped['repeat']} {dropped['step']}: failed: RemoteProtocolError" in report
+    assert f"- {dropped['arm']} repeat {dropped['repeat']} {dropped['step']}: failed: RemoteProtocolError" in report
 
 
 def test_sections_in_order_with_a_callers_sections_and_notes(run_dir):
@@ -139,7 +141,8 @@ def test_sections_in_order_with_a_callers_sections_and_notes(run_dir):
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert headings == ["## About this run", "## 1. Allocator growth per rank", "## 2. Host MemAvailable per request",
                         "## 3. Time to first token per request", "## 4. Swap and driver errors per request",
-                        "## Failed and skipped requests", "## Verdict", "## Plots"]
+                        "## 5. Differences between the arms", "## Failed and skipped requests", "## Verdict",
+                        "## Plots"]
     ttft = text.split("## 3. Time to first token per request")[1].split("## 4.")[0]
     assert ttft.rstrip().endswith("TTFT here is not the fix's effect.")
     summary = json.loads((run_dir / "summary.json").read_text())

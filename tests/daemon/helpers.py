@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import re
 import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -218,4 +222,29 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+# -- a stand-in exporter: a fixed /metrics text on a loopback port ---------------------------------------
+@contextlib.contextmanager
+def static_exporter(text: str | bytes) -> Iterator[str]:
+    """Serve `text` on every GET at 127.0.0.1:<free port>; yields "127.0.0.1:<port>", stops at exit."""
+    body = text.encode() if isinstance(text, str) else text
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 

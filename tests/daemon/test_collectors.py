@@ -128,6 +128,15 @@ def test_nvml_snapshot_fixture_renders(fixture):
         assert [s.value for s in per_process] == known[:2]  # largest first, bounded
         count = [s.value for s in families["memtel_gpu_processes"].samples if s.labels == ids]
         assert count == [len(gpu.processes)]
+        power = [s.value for s in families["memtel_gpu_power_watts"].samples if s.labels == ids]
+        assert power == ([] if gpu.power_watts is None else [gpu.power_watts])
+
+
+def test_the_h200_capture_has_a_real_power_reading():
+    snapshot = NvmlSnapshot.from_dict(json.loads((FIXTURES / "nvml" / "hgx__h200__580.159.04.json").read_text()))
+    assert [gpu.name for gpu in snapshot.gpus] == ["NVIDIA H200"]
+    # 135.1 W read at idle (fixtures README); NVIDIA rates the H200 SXM at up to 700 W (H200 datasheet)
+    assert 50 < snapshot.gpus[0].power_watts <= 700
 
 
 def test_gb10_fixture_reports_the_engine_core_process():

@@ -17,7 +17,7 @@ import pytest
 
 from telemetry.flight.recorder import CURRENT_RING, HEADROOM_SERIES, PREVIOUS_RING, FlightRecorder, series_key
 from telemetry.flight.ring import read_ring
-from tests.daemon.helpers import ROOT, Daemon, run_cli, wait_for
+from tests.daemon.helpers import ROOT, Daemon, run_cli, static_exporter, wait_for
 from tests.support.tmpfs import SmallTmpfs, fill
 
 PROC = Path(__file__).parents[1] / "fixtures" / "proc"
@@ -305,37 +305,17 @@ def test_when_the_recorder_is_on(tmp_path, monkeypatch):
 
 
 def test_records_keep_the_last_values_of_a_local_hook_exporter(tmp_path):
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     body = (b'# TYPE memtel_allocator_reserved_bytes gauge\n'
             b'memtel_allocator_reserved_bytes{site="indexer",rank="0"} 7.5e+09\n'
             b'# TYPE memtel_hook_calls_total counter\nmemtel_hook_calls_total{rank="0"} 3.0\n')
-
-    class Hook(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    target = f"127.0.0.1:{server.server_address[1]}"
-    config = tmp_path / "hooks.yaml"
-    config.write_text(f"flight:\n  interval_seconds: 0.2\n  duration_seconds: 60\n  hook_targets: ['{target}']\n")
     state = tmp_path / "state"
-    key = f'memtel_allocator_reserved_bytes{{rank="0",site="indexer",target="{target}"}}'
-    try:
+    with static_exporter(body) as target:
+        config = tmp_path / "hooks.yaml"
+        config.write_text(f"flight:\n  interval_seconds: 0.2\n  duration_seconds: 60\n  hook_targets: ['{target}']\n")
+        key = f'memtel_allocator_reserved_bytes{{rank="0",site="indexer",target="{target}"}}'
         with daemon(tmp_path, state, proc_root(tmp_path, "hook-boot"), "--config", str(config)):
             wait_for(lambda: any(key in r.values for r in read_ring(state / "flight" / CURRENT_RING).records),
                      what="a record with the hook's series")
-    finally:
-        server.shutdown()
-        server.server_close()
     records = read_ring(state / "flight" / CURRENT_RING).records
     with_hook = [r for r in records if key in r.values]
     assert with_hook and all(r.values[key] == 7.5e9 for r in with_hook)

@@ -10,10 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import threading
 import time
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -30,6 +28,7 @@ from telemetry.flight.ring import (
     encode_record,
     read_ring,
 )
+from tests.daemon.helpers import static_exporter
 
 
 class FakeClock:
@@ -299,28 +298,10 @@ def test_hook_series_keeps_allocator_and_host_memory_only():
 def test_hook_scraper_reads_a_real_exporter_and_forgets_a_dead_one(caplog):
     caplog.set_level(logging.INFO)
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = HOOK_TEXT.encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    target = f"127.0.0.1:{server.server_address[1]}"
-    scraper = HookScraper((target,), timeout_seconds=2)
-    try:
+    with static_exporter(HOOK_TEXT) as target:
+        scraper = HookScraper((target,), timeout_seconds=2)
         scraper.scrape_once()
         assert len(scraper.latest()) == 2
-    finally:
-        server.shutdown()
-        server.server_close()
     for _ in range(3):
         scraper.scrape_once()
     assert scraper.latest() == {}  # no stale values from a dead exporter

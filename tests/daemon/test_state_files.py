@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.helpers import Daemon, run_cli, wait_for
+from tests.daemon.helpers import Daemon, read_kmsg, run_cli, wait_for
 from tests.support.tmpfs import SmallTmpfs, fill
 
 NOBODY = 65534
@@ -186,25 +186,6 @@ def test_a_corrupt_state_file_of_any_kind_is_moved_aside_and_the_daemon_starts(t
     assert "Traceback" not in daemon.log()
 
 
-def _ring() -> list[tuple[int, int]]:
-    """(seq, usec) of the records now in the kernel log (read only)."""
-    fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
-    out = []
-    try:
-        while True:
-            try:
-                chunk = os.read(fd, 16384)
-            except BlockingIOError:
-                break
-            except BrokenPipeError:
-                continue
-            head = chunk.split(b";", 1)[0].split(b",")
-            out.append((int(head[1]), int(head[2])))
-    finally:
-        os.close(fd)
-    return out
-
-
 needs_kmsg = pytest.mark.skipif(not os.access("/dev/kmsg", os.R_OK), reason="needs to read /dev/kmsg (root)")
 
 
@@ -213,7 +194,7 @@ needs_kmsg = pytest.mark.skipif(not os.access("/dev/kmsg", os.R_OK), reason="nee
                                  "same_seq_other_time"])
 def test_a_sequence_number_that_went_backwards_is_a_new_boot_not_silence(tmp_path, how):
     # Before: a saved last_seq ahead of the kernel's (same or unreadable boot id) silently dropped every record.
-    ring = _ring()
+    ring = [(seq, usec) for seq, usec, _message in read_kmsg()]
     oldest_seq, oldest_usec = ring[0]
     newest_seq = ring[-1][0]
     state = tmp_path / "state"

@@ -16,6 +16,10 @@ because dashboards and alerts read them: one install target that does not exist
 (memtel_hook_install_failures_total) and an allocator read that fails on every 7th call
 (memtel_hook_errors_total{stage="allocator"}).
 
+The live forecast is on (a small indexer workload, every second) with the simulator's own snapshot, so the
+forecast series (memtel_forecast_*) that the dashboards and MemtelPrefillWouldNotFit read exist. One lock
+orders the hooked calls and the forecast thread's snapshots, as a real allocator's lock does.
+
 The process exits after --seconds, or as soon as its parent is gone. `--marker` only appears on
 the command line, so the daemon's process collector can match it as a serving role.
 """
@@ -26,6 +30,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 ROWS = 64
@@ -35,6 +40,8 @@ WIDTH_STEP = 4096                  # 1 MiB more logits per call while growing
 MAX_LOGITS_BYTES = 256 << 20       # then empty_cache and start over, so the simulated pool stays bounded
 MISSING_TARGET = "json:memtel_live_test_no_such_function"  # an existing module without that attribute
 FAIL_EVERY = 7
+FORECAST = {"forecast_tokens": (8000, 16000), "forecast_interval_s": 1.0,
+            "forecast_shape": "layers=2,chunk=1024,max_model_len=16384,budget_mb=8"}
 
 
 def logits_chunk(allocator, width: int) -> None:
@@ -71,10 +78,17 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal growing
         growing = True
 
+    lock = threading.Lock()
+
+    def allocator_snapshot() -> list:
+        with lock:
+            return simulator.snapshot()
+
     signal.signal(signal.SIGUSR1, start_growing)
-    set_allocator_source(allocator_source)
+    set_allocator_source(allocator_source, snapshot=allocator_snapshot)
     site = f"{__name__}:logits_chunk"
-    handle = telemetry.install([site], port=args.port, addr=args.addr, log_dir=args.log_dir)
+    options = {"port": args.port, "addr": args.addr, "log_dir": args.log_dir, **FORECAST}
+    handle = telemetry.install([site], **options)
     if site not in handle.installed:
         print(f"hook not installed: installed={handle.installed} failed={handle.failed}", file=sys.stderr)
         return 1
@@ -86,15 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     module = sys.modules[__name__]
     while time.monotonic() < deadline and os.getppid() == parent:
         if growing and not missing_installed:
-            telemetry.install([MISSING_TARGET], port=args.port, addr=args.addr, log_dir=args.log_dir)  # counted
+            telemetry.install([MISSING_TARGET], **options)  # counted
             missing_installed = True
-        # Looked up at call time, as the indexer's call site does: the hook's wrapper runs.
-        module.logits_chunk(simulator, width)
-        if growing:
-            width += WIDTH_STEP
-            if ROWS * width * FLOAT32 > MAX_LOGITS_BYTES:
-                simulator.empty_cache()  # a negative reserved delta on the next call
-                width = REST_WIDTH
+        with lock:
+            # Looked up at call time, as the indexer's call site does: the hook's wrapper runs.
+            module.logits_chunk(simulator, width)
+            if growing:
+                width += WIDTH_STEP
+                if ROWS * width * FLOAT32 > MAX_LOGITS_BYTES:
+                    simulator.empty_cache()  # a negative reserved delta on the next call
+                    width = REST_WIDTH
         time.sleep(args.interval)
     handle.uninstall()
     return 0

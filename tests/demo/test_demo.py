@@ -256,7 +256,7 @@ def test_demo_on_cuda_uses_real_allocations(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (out / "report.md").read_text()
     assert "**Allocator: real CUDA.**" in report
-    assert "Host memory does not move with cudaMalloc on a discrete GPU" in report
+    assert "**Host memory does not move with device allocations on a discrete GPU:**" in report
     notes = json.loads((out / "demo-summary.json").read_text())
     assert notes["setup"]["allocator"] == "cuda" and notes["setup"]["scale"] == 1.0
     # The simulator is exact: real CUDA ranks match `memtel replay`'s prediction.

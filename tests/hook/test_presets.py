@@ -17,6 +17,15 @@ import pytest
 
 from telemetry.hook.presets import MODEL_LOADED, PRESETS
 from telemetry.hook.targets import parse_target
+from tests.support.python_source import (
+    attribute_reads,
+    calls_in,
+    classes,
+    functions,
+    local_names,
+    module_aliases,
+    module_level_names,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,45 +48,6 @@ def source_of(module: str) -> Path:
     version = (vllm_site_packages() / "vllm" / "_version.py").read_text()
     pytest.fail(f"module {module} is not in this vLLM build ({base}.py missing; {version.split('=')[-1].strip()!r}"
                 f" from .venv-vllm): the preset names a module this vLLM does not have")
-
-
-def module_level_names(tree: ast.Module) -> set[str]:
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.Assign):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-        elif isinstance(node, (ast.If, ast.Try)):  # conditional definitions (platform switches)
-            inner = [n for n in list(ast.walk(node))[1:] if isinstance(n, ast.stmt)]
-            names.update(module_level_names(ast.Module(body=inner, type_ignores=[])))
-    return names
-
-
-def local_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
-    """Names bound inside the function (parameters, assignments, imports) - not global lookups."""
-    args = function.args
-    names = {a.arg for a in args.args + args.kwonlyargs + args.posonlyargs}
-    names.update(a.arg for a in (args.vararg, args.kwarg) if a is not None)
-    for node in ast.walk(function):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-    return names
-
-
-def calls_in(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) -> list[ast.Call]:
-    return [node for node in ast.walk(function)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name]
-
-
-def functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
-    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
 SITES = [(preset, site) for preset, sites in PRESETS.items() if preset.startswith("vllm") for site in sites]
@@ -127,16 +97,25 @@ def test_preset_name_exists_and_is_looked_up_at_call_time(preset, site):
             assert set(proven) & registered, (proven, registered)
 
 
+def test_the_lab_preset_is_read_at_call_time_by_the_launch_backends():
+    # memtel's own target: the lab server, `memtel replay` and the demo must launch through the patched name.
+    (site,) = PRESETS["lab-indexer"]
+    target = parse_target(site.target)
+    assert site.lookup == "module attribute"
+    for caller in site.call_sites:
+        tree = ast.parse((ROOT / (caller.replace(".", "/") + ".py")).read_text())
+        aliases = module_aliases(tree, target.module)
+        assert aliases, f"{caller} does not import {target.module}"
+        reading = [f.name for f in functions(tree) if attribute_reads(f, aliases, target.qualname)]
+        assert reading, f"no function of {caller} calls {target.module}.{target.qualname} at call time"
+
+
 def test_patching_where_the_name_is_defined_would_miss_the_module_global_call_site():
     # Why the preset targets sparse_attn_indexer, not vllm.utils.deep_gemm: the indexer binds the
     # name at import (`from vllm.utils.deep_gemm import fp8_fp4_mqa_logits` at module level).
     tree = ast.parse(source_of("vllm.model_executor.layers.sparse_attn_indexer").read_text())
     module_imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "vllm.utils.deep_gemm"]
     assert any(a.name == "fp8_fp4_mqa_logits" for n in module_imports for a in n.names)
-
-
-def classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
-    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
 
 
 def test_the_model_loaded_signal_is_the_method_every_v1_worker_loads_the_model_with():

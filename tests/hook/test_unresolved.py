@@ -58,6 +58,26 @@ def test_the_hook_announces_itself_once_per_process(make_module, tmp_path, caplo
     assert [r.name for r in caplog.records if r.getMessage() == line] == ["memtel.hook"]
 
 
+def test_the_announcement_says_https_when_the_web_config_has_tls(make_module, tmp_path, caplog):
+    import ssl
+
+    from tests.support.certs import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    config = tmp_path / "web.yml"
+    config.write_text(f"tls_server_config:\n  cert_file: {certs.server_cert}\n  key_file: {certs.server_key}\n")
+    caplog.set_level("INFO", logger="memtel")
+    name = make_module("def f(x):\n    return x\n")
+    module = importlib.import_module(name)
+    port = free_port()
+    telemetry.install([f"{name}:f"], port=port, addr="127.0.0.1", web_config=str(config))
+    module.f(1)
+    (line,) = announcements(caplog)
+    assert f"exporter: https://127.0.0.1:{port}/metrics" in line, line
+    context = ssl.create_default_context(cafile=str(certs.ca))
+    assert httpx.get(f"https://127.0.0.1:{port}/metrics", verify=context, timeout=5).status_code == 200
+
+
 def test_targets_configured_but_none_resolved_still_say_so(make_module, tmp_path, caplog):
     caplog.set_level("INFO", logger="memtel")
     package = "memtel_pkg_" + uuid.uuid4().hex[:8]
@@ -67,7 +87,7 @@ def test_targets_configured_but_none_resolved_still_say_so(make_module, tmp_path
     handle = telemetry.install(targets, port=port, addr="127.0.0.1", log_dir=tmp_path / "logs",
                                unresolved_after_s=0.3)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and handle.exporter_port is None:
+    while time.monotonic() < deadline and not announcements(caplog):   # the announcement ends the start
         time.sleep(0.05)
     (warning,) = unresolved_warnings(caplog)
     assert warning.startswith("memtel: 2 of 2 hook targets not resolved 0.3 s after install in pid ")
@@ -161,7 +181,7 @@ def test_a_hooked_target_whose_layer_is_not_in_the_loaded_model_is_unresolved(ma
     layers = importlib.import_module(make_module(LAYERED))
     engine = importlib.import_module(make_module(ENGINE))
     target = f"{layers.__name__}:logits"
-    monkeypatch.setitem(presets.LAYERS, target, f"{layers.__name__}:IndexerLayer")
+    monkeypatch.setitem(presets.LAYERS, target, (f"{layers.__name__}:IndexerLayer",))
     engine.Worker.layers = [layers.OtherLayer()] + ([layers.IndexerLayer()] if has_layer else [])
     registry = CollectorRegistry()
     handle = telemetry.install([target], port=None, registry=registry, unresolved_after_s=None,

@@ -133,7 +133,8 @@ def test_every_memtel_variable_is_a_field_of_the_one_config():
     from telemetry.hook.config import ENV_VARIABLES
 
     assert ENV_VARIABLES == ("MEMTEL_ENABLE", "MEMTEL_TARGETS", "MEMTEL_PORT", "MEMTEL_ADDR", "MEMTEL_WEB_CONFIG",
-                             "MEMTEL_LOG_DIR", "MEMTEL_RECORD_SHAPE")
+                             "MEMTEL_LOG_DIR", "MEMTEL_RECORD_SHAPE", "MEMTEL_FORECAST_TOKENS",
+                             "MEMTEL_FORECAST_INTERVAL_S", "MEMTEL_FORECAST_SHAPE")
     assert WEB_CONFIG_ENV in ENV_VARIABLES
     documented = (ROOT / "docs" / "hook.md").read_text()
     assert all(f"`{name}`" in documented for name in ENV_VARIABLES)

@@ -44,7 +44,8 @@ _MAKE_MODEL = textwrap.dedent(
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    dest, layers, hidden, max_position, words = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+    dest, words = sys.argv[1], json.loads(sys.argv[5])
+    layers, hidden, max_position = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     specials = ["[UNK]", "[BOS]", "[EOS]"]
     vocab = {tok: i for i, tok in enumerate(specials + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
@@ -116,7 +117,7 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> VllmServer:
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed by stop(), after the server)
         self.process = subprocess.Popen(
             self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,

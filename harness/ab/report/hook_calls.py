@@ -53,6 +53,11 @@ class CallSeries:
     def known(self) -> np.ndarray:
         return self.reserved_bytes != NO_ALLOCATOR
 
+    def since(self, ts: float) -> CallSeries:
+        """The calls at or after `ts` (a superseded attempt's calls come before it)."""
+        first = int(np.searchsorted(self.ts, ts, side="left"))
+        return CallSeries(self.ts[first:], self.pid[first:], self.reserved_bytes[first:], self.num_device_alloc[first:])
+
     def window(self, started_at: float, ended_at: float) -> tuple[int, int]:
         """Indices [first, end) of the calls with started_at <= ts <= ended_at."""
         return (int(np.searchsorted(self.ts, started_at, side="left")),

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from harness.ab.report.metrics import Difference, Spread
+from harness.ab.report.metrics import Spread
+from harness.ab.report.stats import NO_DATA, NO_NOISE_ESTIMATE, Estimate, PairedDifference
 
 Placement = Literal["lead", "tail"]
 
@@ -81,12 +82,33 @@ def spread(value: Spread | None, scale: float = 1.0, digits: int = 1, sign: bool
     return f"{median} [{number(value.low, scale, digits, sign)}–{number(value.high, scale, digits, sign)}]"
 
 
-def difference(value: Difference | None, scale: float, unit: str, digits: int = 1) -> str:
-    """The A−B median difference, marked when it is inside the repeats' spread (no difference can be claimed)."""
+def estimate(value: Estimate | None, scale: float = 1.0, digits: int = 1, sign: bool = False) -> str:
+    """`mean ± half-width` of the 95 % interval, the mean alone for one value, `n/a` for none."""
     if value is None:
         return "n/a"
-    text = f"{value.value / scale:+,.{digits}f}{unit}"
-    return text + " (inside the spread)" if value.inside_spread else text
+    mean = number(value.mean, scale, digits, sign)
+    if value.half_width is None:
+        return mean
+    return f"{mean} ± {number(value.half_width, scale, digits)}"
+
+
+def interval(value: Estimate | None, scale: float = 1.0, digits: int = 1, sign: bool = False) -> str:
+    """`[low, high]` of the 95 % interval, or what stands in for it."""
+    if value is None:
+        return "n/a"
+    if value.low is None or value.high is None:
+        return "one value: no interval"
+    return f"[{number(value.low, scale, digits, sign)}, {number(value.high, scale, digits, sign)}]"
+
+
+def difference(value: PairedDifference | None, scale: float, unit: str, digits: int = 1) -> str:
+    """The paired A − B difference (mean over repeats) and what it says: significant, within the noise..."""
+    if value is None or value.estimate is None or value.verdict == NO_DATA:
+        return "n/a"
+    text = f"{value.estimate.mean / scale:+,.{digits}f}{unit}"
+    if value.verdict == NO_NOISE_ESTIMATE:
+        return f"{text} (one repeat: no noise estimate)"
+    return f"{text} ({value.verdict})"
 
 
 def ranges(numbers: Sequence[int]) -> str:
@@ -101,4 +123,5 @@ def ranges(numbers: Sequence[int]) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["Document", "Placement", "Section", "Table", "difference", "number", "ranges", "spread"]
+__all__ = ["Document", "Placement", "Section", "Table", "difference", "estimate", "interval", "number", "ranges",
+           "spread"]

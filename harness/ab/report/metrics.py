@@ -2,8 +2,9 @@
 
 `compute_metrics(run)` gives a `RunMetrics`: one `RequestMetrics` per recorded request (the client's
 times, the node and rank deltas around it, where the hook's call log saw the growth), the failures, and
-the helpers that gather a metric over repeats (`values`, `spread`, `difference`). Tables, plots, the
-demo's notes and later statistics read these, never the records' fields again.
+the helpers that gather a metric over repeats (`values`, `spread`; `estimate` and `paired`, the t-interval
+and the paired difference of harness/ab/report/stats.py). Tables, plots, gates, the demo's notes and the
+statistics read these, never the records' fields again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from harness.ab.records import NodeSnapshot, RankSnapshot, Snapshot, StepKey
 from harness.ab.report.hook_calls import CallSeries
 from harness.ab.report.load import RunData
+from harness.ab.report.stats import Estimate, PairedDifference
 
 T = TypeVar("T")
 SnapshotT = TypeVar("SnapshotT", bound=Snapshot)
@@ -29,6 +31,8 @@ class NodeRequestMetrics:
 
     mem_available_delta_bytes: float | None  # after - before
     mem_available_min_delta_bytes: float | None  # lowest point during the request - before
+    mem_available_min_bytes: float | None  # lowest point during the request (node samples and the scrape after)
+    headroom_min_bytes: float | None  # lowest memtel_node_unified_headroom_bytes during the request
     swap_used_delta_bytes: float | None
     max_swap_used_bytes: float | None
     pswpin: float | None  # pages swapped in during the request
@@ -91,6 +95,14 @@ class RequestMetrics:
     def key(self) -> StepKey:
         return (self.arm, self.repeat, self.step)
 
+    @property
+    def reserved_growth_bytes(self) -> float | None:
+        """Reserved growth during the request summed over every rank; None unless every rank's is known."""
+        values = [r.reserved_growth_bytes for r in self.ranks.values()]
+        if not values or any(v is None for v in values):
+            return None
+        return float(sum(v for v in values if v is not None))
+
 
 @dataclass(frozen=True)
 class Spread:
@@ -107,21 +119,6 @@ class Spread:
         if not known:
             return None
         return cls(statistics.median(known), min(known), max(known), len(known))
-
-
-@dataclass(frozen=True)
-class Difference:
-    """A − B of two arms' medians; `inside_spread` when both have repeats and their ranges overlap."""
-
-    value: float
-    inside_spread: bool
-
-    @classmethod
-    def of(cls, a: Spread | None, b: Spread | None) -> Difference | None:
-        if a is None or b is None:
-            return None
-        overlap = a.n > 1 and b.n > 1 and a.low <= b.high and b.low <= a.high
-        return cls(a.median - b.median, overlap)
 
 
 @dataclass(frozen=True)
@@ -158,9 +155,34 @@ class RunMetrics:
     def spread(self, arm: str, step: str, pick: Callable[[RequestMetrics], float | None]) -> Spread | None:
         return Spread.of(self.values(arm, step, pick))
 
-    def difference(self, a: str, b: str, step: str,
-                   pick: Callable[[RequestMetrics], float | None]) -> Difference | None:
-        return Difference.of(self.spread(a, step, pick), self.spread(b, step, pick))
+    def estimate(self, arm: str, step: str, pick: Callable[[RequestMetrics], float | None]) -> Estimate | None:
+        """Mean, sd and 95 % t-interval of `pick` over the repeats of (arm, step)."""
+        return Estimate.of(self.values(arm, step, pick))
+
+    def paired(self, a: str, b: str, step: str, pick: Callable[[RequestMetrics], float | None]) -> PairedDifference:
+        """A − B of `pick` over pairs of successful requests of the same repeat at this step."""
+        def value(arm: str, repeat: int) -> float | None:
+            m = self.requests.get((arm, repeat, step))
+            return pick(m) if m is not None and m.ok else None
+
+        return PairedDifference.of(a, b, {r: (value(a, r), value(b, r)) for r in range(self.run.repeats)})
+
+    def block_reserved_growth(self, arm: str, repeat: int) -> float | None:
+        """Reserved growth over the whole ladder of one block, all ranks; None unless every step's request
+        succeeded with every rank's growth known."""
+        total = 0.0
+        for step in self.run.steps:
+            m = self.requests.get((arm, repeat, step))
+            growth = m.reserved_growth_bytes if m is not None and m.ok else None
+            if growth is None:
+                return None
+            total += growth
+        return total
+
+    def paired_blocks(self, a: str, b: str) -> PairedDifference:
+        """A − B of the reserved growth over the ladder, pairs of the same repeat."""
+        return PairedDifference.of(a, b, {r: (self.block_reserved_growth(a, r), self.block_reserved_growth(b, r))
+                                          for r in range(self.run.repeats)})
 
     def rank_total(self, rank: str, arm: str, repeat: int, pick: Callable[[RankRequestMetrics], float | None]
                    ) -> float | None:
@@ -236,9 +258,13 @@ def request_metrics(run: RunData, key: StepKey) -> RequestMetrics:
         start = b.mem_available_bytes if b else None
         lows = [v for v in (req.min_mem_available_bytes.get(node), a.mem_available_bytes if a else None)
                 if v is not None]
+        during = [s.snapshot for s in run.samples.get((arm, repeat, node), ()) if s.step == step] + ([a] if a else [])
+        headrooms = [s.unified_headroom_bytes for s in during if s.unified_headroom_bytes is not None]
         nodes[node] = NodeRequestMetrics(
             mem_available_delta_bytes=_delta(a.mem_available_bytes if a else None, start),
             mem_available_min_delta_bytes=(min(lows) - start) if lows and start is not None else None,
+            mem_available_min_bytes=min(lows) if lows else None,
+            headroom_min_bytes=min(headrooms) if headrooms else None,
             swap_used_delta_bytes=_change(a, b, "swap_used_bytes"),
             max_swap_used_bytes=req.max_swap_used_bytes.get(node),
             pswpin=_change(a, b, "pswpin_total"),
@@ -284,5 +310,5 @@ def compute_metrics(run: RunData) -> RunMetrics:
     return RunMetrics(run, requests, failures(run, requests))
 
 
-__all__ = ["Difference", "Failure", "HookGrowth", "NodeRequestMetrics", "RankRequestMetrics", "RequestMetrics",
+__all__ = ["Failure", "HookGrowth", "NodeRequestMetrics", "RankRequestMetrics", "RequestMetrics",
            "RunMetrics", "Spread", "compute_metrics", "growth_location", "request_metrics"]

@@ -9,6 +9,7 @@ from typing import Any
 from harness.ab.report.metrics import RequestMetrics, RunMetrics, Spread
 
 GIB = 1024**3
+MIB = 1024**2
 
 
 def write_plots(metrics: RunMetrics, out: Path) -> list[Path]:
@@ -37,43 +38,66 @@ def _safe(name: str) -> str:
 
 
 def _mem_available(plt: Any, metrics: RunMetrics, node: str, colors: list[str], out: Path) -> Path:
+    """One panel per step: MemAvailable during each request minus its value just before it (the node's last
+    scrape before the request), against seconds since the request was sent; one line per arm and repeat.
+
+    Deltas from each request's own start: background drift between requests (other processes, the page
+    cache) would otherwise look like a difference between the arms.
+    """
     run = metrics.run
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for i, arm in enumerate(run.arms):
-        color = colors[i % len(colors)]
-        for r in range(run.repeats):
-            points = [(s.ts, s.snapshot.mem_available_bytes) for s in run.samples[(arm, r, node)]
-                      if s.snapshot.mem_available_bytes is not None]
-            for scrape in run.scrapes[(arm, r)]:
-                snap = scrape.nodes.get(node)
-                if snap is not None and snap.mem_available_bytes is not None:
-                    points.append((scrape.ts, snap.mem_available_bytes))
-            if not points:
-                continue
-            points.sort()
-            t0 = points[0][0]
-            # A resumed block had a fresh serve: break the line where each serve's baseline starts.
-            breaks = [sc.ts for sc in run.scrapes[(arm, r)] if sc.phase == "baseline"][1:]
-            xs: list[float] = []
-            ys: list[float] = []
-            for ts, value in points:
-                while breaks and ts >= breaks[0]:
-                    xs.append(breaks.pop(0) - t0)
-                    ys.append(float("nan"))
-                xs.append(ts - t0)
-                ys.append(value / GIB)
-            ax.plot(xs, ys, color=color, alpha=1.0 if r == 0 else 0.5, label=f"{arm} r{r}")
-            for step in run.steps:
+    steps = run.steps
+    columns = min(3, len(steps)) or 1
+    rows = -(-len(steps) // columns) or 1
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    for index, step in enumerate(steps):
+        ax = axes[index // columns][index % columns]
+        for i, arm in enumerate(run.arms):
+            for r in range(run.repeats):
                 m = metrics.requests.get((arm, r, step))
-                if m is not None:
-                    ax.axvline(m.started_at - t0, color=color, linestyle=":", linewidth=0.8)
-                    ax.axvline(m.ended_at - t0, color=color, linestyle="--", linewidth=0.8)
-    ax.set_title(f"MemAvailable on {node} (dotted: request start, dashed: request end)")
-    ax.set_xlabel("seconds since the arm's first scrape")
-    ax.set_ylabel("MemAvailable (GiB)")
-    if ax.lines:
-        ax.legend(loc="best", fontsize=8)
-    return _save(plt, fig, out / f"mem_available_{_safe(node)}.png")
+                if m is None:
+                    continue
+                before = run.scrape_before(arm, r, m.started_at)
+                snap = before.nodes.get(node) if before else None
+                start = snap.mem_available_bytes if snap and not snap.error else None
+                if start is None:
+                    continue
+                points = [(0.0, 0.0)]
+                points += [(s.ts - m.started_at, (s.snapshot.mem_available_bytes - start) / MIB)
+                           for s in run.samples[(arm, r, node)]
+                           if s.step == step and s.snapshot.mem_available_bytes is not None]
+                after = run.scrape_after(arm, r, step)
+                after_snap = after.nodes.get(node) if after else None
+                if after_snap is not None and after_snap.mem_available_bytes is not None:
+                    points.append((after.ts - m.started_at if after else 0.0,
+                                   (after_snap.mem_available_bytes - start) / MIB))
+                points.sort()
+                ax.plot([x for x, _ in points], [y for _, y in points], color=colors[i % len(colors)],
+                        linestyle="-" if r == 0 else "--", alpha=1.0 if r == 0 else 0.6,
+                        label=f"{arm} repeat {r}")
+        ax.axhline(0.0, color="grey", linewidth=0.6)
+        ax.set_title(step, fontsize=9)
+        ax.tick_params(labelsize=7)
+        if index % columns == 0:
+            ax.set_ylabel("Δ MemAvailable (MiB)", fontsize=8)
+        if index // columns == rows - 1:
+            ax.set_xlabel("s since the request was sent", fontsize=8)
+    for index in range(len(steps), rows * columns):
+        axes[index // columns][index % columns].set_visible(False)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for row in axes:
+        for ax in row:
+            for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+                if label not in labels:
+                    handles.append(h)
+                    labels.append(label)
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.suptitle(f"MemAvailable on {node}: change from each request's start", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08 if handles else 0, 1, 0.95))
+    path = out / f"mem_available_{_safe(node)}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _reserved(plt: Any, metrics: RunMetrics, colors: list[str], out: Path) -> list[Path]:
@@ -92,7 +116,7 @@ def _reserved(plt: Any, metrics: RunMetrics, colors: list[str], out: Path) -> li
                 xs, reserved = series.reserved_points()
                 if len(reserved):
                     ax.plot(xs, reserved / GIB, color=colors[i % len(colors)], alpha=1.0 if r == 0 else 0.5,
-                            label=f"{arm} r{r}")
+                            label=f"{arm} repeat {r}")
                     drawn = True
         if not drawn:
             ax.text(0.5, 0.5, "no allocator data: the hooked process has no CUDA allocator", ha="center",
@@ -114,7 +138,7 @@ def _reserved(plt: Any, metrics: RunMetrics, colors: list[str], out: Path) -> li
                          for s in run.steps]
                 if any(y is not None for y in after):
                     ax.plot(run.steps, [y / GIB if y is not None else float("nan") for y in after], marker="o",
-                            color=colors[i % len(colors)], label=f"{arm} r{r}")
+                            color=colors[i % len(colors)], label=f"{arm} repeat {r}")
                     drawn = True
         if not drawn:
             ax.text(0.5, 0.5, "no allocator data for this rank", ha="center", va="center", transform=ax.transAxes)

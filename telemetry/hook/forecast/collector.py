@@ -63,7 +63,13 @@ class ForecastCollector(Collector):
                        results.last_duration_s, rank, node)
         if results.last_success_s is not None:
             yield _one("memtel_forecast_last_success_timestamp_seconds",
-                       "Unix time of the live forecast's last successful cycle.", results.last_success_s, rank, node)
+                       "Unix time of the allocator snapshot that the live forecast's last successful cycle started "
+                       "from: the forecast is the allocator's as of then.", results.last_success_s, rank, node)
+        cpu = CounterMetricFamily("memtel_forecast_cpu_seconds",
+                                  "CPU time the live forecast's cycles have taken in this process (the cost of its "
+                                  "thread).", labels=["rank", "node"])
+        cpu.add_metric([rank, node], results.cpu_seconds)
+        yield cpu
         failures = CounterMetricFamily("memtel_forecast_failures",
                                        "Live forecast cycles that failed, by reason: snapshot (taking or reading the "
                                        "allocator snapshot), unsupported_state (the snapshot holds what the simulator "

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from telemetry.hook import allocator
@@ -42,6 +42,26 @@ FAILURE_REASONS = (SNAPSHOT, UNSUPPORTED_STATE, SETTINGS, SIMULATION)
 LOG_EVERY_S = 60.0
 
 
+class GilYield:
+    """Called often from the forecast's simulation: at most every `every_s` of the thread's work, it sleeps
+    `nap_s`, so a serving thread waiting for the GIL gets it then instead of after the interpreter's switch
+    interval (5 ms by default, paid again at every GIL release of a hooked call). Measured in BENCHMARKS.md
+    ("Live forecast in the hook")."""
+
+    def __init__(self, every_s: float = 0.001, nap_s: float = 0.00005, *,
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.every_s = every_s
+        self.nap_s = nap_s
+        self.clock = clock
+        self.sleep = sleep
+        self.due = clock() + every_s
+
+    def __call__(self) -> None:
+        if self.clock() >= self.due:
+            self.sleep(self.nap_s)
+            self.due = self.clock() + self.every_s
+
+
 @dataclass(frozen=True)
 class ForecastResults:
     """What the collector exports: replaced whole after each cycle (readers need no lock)."""
@@ -49,8 +69,9 @@ class ForecastResults:
     workload: ForecastWorkload | None = None
     forecasts: tuple[Forecast, ...] = ()     # empty: no forecast now (none yet, or the last cycle failed)
     last_duration_s: float | None = None     # wall time of the last cycle that got an allocator state
-    last_success_s: float | None = None      # unix time of the last successful cycle
+    last_success_s: float | None = None      # unix time of the snapshot of the last successful cycle
     failures: dict[str, int] = field(default_factory=dict)
+    cpu_seconds: float = 0.0                 # CPU time of every cycle so far (the thread's cost)
 
 
 class Forecaster:
@@ -82,6 +103,7 @@ class Forecaster:
         self._last_log = -LOG_EVERY_S
         self._unlogged = 0
         self._announced: ForecastWorkload | None = None
+        self._said_no_snapshot = False
 
     # ---- the workload ---------------------------------------------------------------------------
 
@@ -89,6 +111,11 @@ class Forecaster:
         """vLLM's `Worker.load_model` returned: read the workload from its config (never raises)."""
         from telemetry.hook.forecast.vllm_workload import NoIndexer, read_vllm_workload
 
+        fallback = "MEMTEL_FORECAST_SHAPE" if self.config_workload else "the reference workload"
+        if getattr(worker, "vllm_config", None) is None:   # another engine: nothing to read from it
+            log.info("memtel: live forecast in pid %d: the loaded engine is not a vLLM worker; using %s",
+                     os.getpid(), fallback)
+            return
         try:
             self._vllm_workload = read_vllm_workload(worker, self.environ)
         except NoIndexer as reason:
@@ -96,9 +123,8 @@ class Forecaster:
             if self.config_workload is None:
                 log.info("memtel: live forecast off in pid %d: %s", os.getpid(), reason)
         except Exception as error:   # another engine, or a vLLM that keeps its config elsewhere
-            log.warning("memtel: live forecast in pid %d: cannot read the indexer workload from the loaded engine "
-                        "(%r); using %s", os.getpid(), error,
-                        "MEMTEL_FORECAST_SHAPE" if self.config_workload else "the reference workload")
+            log.warning("memtel: live forecast in pid %d: cannot read the indexer workload from vLLM's config (%r); "
+                        "using %s", os.getpid(), error, fallback)
 
     def workload(self) -> ForecastWorkload | None:
         """The workload to forecast now; None: none yet (the model is loading) or nothing to forecast."""
@@ -118,24 +144,30 @@ class Forecaster:
         """For the hook's announcement: what is forecast, how often, from which workload."""
         lengths = " and ".join(f"{n:,}" for n in self.tokens)
         head = f"{lengths} tokens every {self.interval_s:g} s"
-        workload = self.workload()
+        # Not self.workload(): this runs at a process's first hooked call, which must not build the reference.
+        workload = program_workload() or self._vllm_workload or self.config_workload
         if workload is not None:
             self._announced = workload   # the first cycle need not say it again
             return f"{head}, {workload.describe()}"
         if self._no_indexer is not None:
             return f"off ({self._no_indexer})"
-        return f"{head}, once the model is loaded (the workload is read from the engine then)"
+        if self.waiting_for_model():
+            return f"{head}, once the model is loaded (the workload is read from the engine then)"
+        return f"{head}, the reference workload (MEMTEL_FORECAST_SHAPE unset)"
 
     # ---- one cycle ------------------------------------------------------------------------------
 
     def run_once(self) -> bool:
         """One forecast cycle now; True if it produced forecasts (or found them current). Never raises."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             return self._cycle(started)
         except Exception as error:
             self._failed(SIMULATION, error, started)
             return False
+        finally:
+            with self._lock:
+                self.results = replace(self.results, cpu_seconds=self.results.cpu_seconds + time.thread_time() - cpu)
 
     def _cycle(self, started: float) -> bool:
         from harness.allocsim.config import AllocatorConfigError, parse_alloc_conf
@@ -149,13 +181,18 @@ class Forecaster:
             self._announced = workload
             log.info("memtel: live forecast in pid %d of %s tokens: %s", os.getpid(),
                      ", ".join(f"{n:,}" for n in self.tokens), workload.describe())
+        taken_at = self.clock()   # the forecast is the allocator's as of this moment
         try:
             taken = self.reader().snapshot()
         except Exception as error:
             self._failed(SNAPSHOT, error, started)
             return False
-        if taken is None:
-            return False   # no allocator yet: nothing to forecast from, nothing failed
+        if taken is None:   # no allocator yet (or a source without a snapshot): nothing to forecast, nothing failed
+            if getattr(self.reader(), "snapshot_source", False) is None and not self._said_no_snapshot:
+                self._said_no_snapshot = True
+                log.warning("memtel: live forecast in pid %d: the allocator source gives no snapshot "
+                            "(set_allocator_source(..., snapshot=...)): nothing to forecast from", os.getpid())
+            return False
         segments, device = taken
         conf = workload.alloc_conf if workload.alloc_conf is not None else process_alloc_conf(self.environ)
         if conf not in self._checked_confs:
@@ -168,13 +205,14 @@ class Forecaster:
         if problem is not None:
             self._failed(SETTINGS, problem, started)
             return False
+        pause = GilYield()
         key = (segments, device, workload, conf)
         previous = self.results
         if key == self._last_key and previous.forecasts:
-            self._succeeded(workload, previous.forecasts, started)
+            self._succeeded(workload, previous.forecasts, started, taken_at)
             return True
         try:
-            state = read_allocator_state(segments, device=device, source="the live allocator")
+            state = read_allocator_state(segments, device=device, source="the live allocator", pause=pause)
         except SnapshotError as error:
             self._failed(UNSUPPORTED_STATE, error, started)
             return False
@@ -187,18 +225,19 @@ class Forecaster:
                 return False
             try:
                 results.append(forecast(state, workload.shape, tokens, mode=workload.mode,  # type: ignore[arg-type]
-                                        alloc_conf=conf, pattern=workload.pattern))
+                                        alloc_conf=conf, pattern=workload.pattern, pause=pause))
             except SnapshotError as error:
                 self._failed(UNSUPPORTED_STATE, error, started)
                 return False
         self._last_key = key
-        self._succeeded(workload, tuple(results), started)
+        self._succeeded(workload, tuple(results), started, taken_at)
         return True
 
-    def _succeeded(self, workload: ForecastWorkload, forecasts: tuple[Forecast, ...], started: float) -> None:
+    def _succeeded(self, workload: ForecastWorkload, forecasts: tuple[Forecast, ...], started: float,
+                   taken_at: float) -> None:
         with self._lock:
-            self.results = ForecastResults(workload, forecasts, time.perf_counter() - started, self.clock(),
-                                           self.results.failures)
+            self.results = ForecastResults(workload, forecasts, time.perf_counter() - started, taken_at,
+                                           self.results.failures, self.results.cpu_seconds)
 
     def _failed(self, reason: str, error: object, started: float) -> None:
         with self._lock:
@@ -206,7 +245,7 @@ class Forecaster:
             failures = dict(old.failures)
             failures[reason] = failures.get(reason, 0) + 1
             self.results = ForecastResults(old.workload, (), time.perf_counter() - started, old.last_success_s,
-                                           failures)
+                                           failures, old.cpu_seconds)
             self._last_key = None
             now = time.monotonic()
             if now - self._last_log < LOG_EVERY_S:

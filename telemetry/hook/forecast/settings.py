@@ -15,7 +15,7 @@ from telemetry.errors import ConfigError
 
 # A forecast's cost grows with the prefill's length (its chunk steps times the indexer layers) and is paid
 # for every length at every interval: the lengths and their number are bounded.
-MAX_FORECAST_TOKENS = 10_000_000
+MAX_FORECAST_TOKENS = 2_000_000   # prompts reach 1M tokens; the cost grows with the square of the length
 MAX_FORECAST_LENGTHS = 8
 DEFAULT_INTERVAL_S = 5.0
 MIN_INTERVAL_S = 1.0

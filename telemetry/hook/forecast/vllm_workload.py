@@ -65,7 +65,7 @@ def _models(worker: Any) -> list[Any]:
 
 
 def _compress_ratio(indexer: Any) -> int:
-    ratio = getattr(indexer, "compress_ratio", None)
+    ratio: Any = getattr(indexer, "compress_ratio", None)
     if ratio is None:   # the kpool indexer: one state per index_kpool tokens
         ratio = getattr(getattr(indexer, "k_cache", None), "_index_kpool", 1)
     return max(1, int(ratio))

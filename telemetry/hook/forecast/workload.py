@@ -31,8 +31,8 @@ VLLM = "vllm"
 CONFIG = "config"
 REFERENCE = "reference"
 SOURCES = (PROGRAM, VLLM, CONFIG, REFERENCE)
-SOURCE_WORDS = {PROGRAM: "set by the program (set_forecast_workload)", VLLM: "read from vLLM's config",
-                CONFIG: "MEMTEL_FORECAST_SHAPE", REFERENCE: "the reference workload (MEMTEL_FORECAST_SHAPE unset)"}
+SOURCE_WORDS = {PROGRAM: "set by the program with set_forecast_workload", VLLM: "read from vLLM's config",
+                CONFIG: "from MEMTEL_FORECAST_SHAPE", REFERENCE: "the reference workload: MEMTEL_FORECAST_SHAPE unset"}
 
 # torch reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF, its older name, after it
 # (c10/core/AllocatorConfig.h).

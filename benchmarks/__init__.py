@@ -1,0 +1,1 @@
+"""Benchmarks: scripts whose figures go in BENCHMARKS.md (run each as `python benchmarks/NAME.py`)."""

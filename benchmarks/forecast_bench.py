@@ -1,0 +1,285 @@
+"""The live forecast's cost (a benchmark, not a test; results go in BENCHMARKS.md).
+
+Two parts, on a real CUDA caching allocator (`--allocator cuda`, the default where torch sees a GPU) or on
+the caching-allocator simulator behind `set_allocator_source` (`--allocator sim`, as the lab server):
+
+1. cost: the forecast thread's work per cycle at a few allocator sizes (live segments, half of them with a
+   live block, the others cached and free): taking the snapshot (`torch.cuda.memory_snapshot()`, or the
+   simulator's), reading it (`read_allocator_state`) and simulating the prefill of each length
+   (`forecast`), in CPU ms (the thread's CPU time) and wall ms, the median of --repeats;
+2. hooked call: the per-call wall time of a hooked logits launch (`indexer_logits_launch`: a float32
+   [64, 4096 or 4160] block from the cache, the previous one freed), called back to back for --seconds, with the
+   forecast off, with its thread running all along (every --interval seconds, at --hooked-segments
+   segments, every cycle simulating: the shortcut for an unchanged allocator is cleared), and with that thread
+   minus its GIL yields (`on_no_yield`, runner.GilYield made a no-op), each variant in its own process,
+   interleaved over --rounds: p50, p99, p99.9 and max, and the
+   forecast thread's CPU time meanwhile. Back to back is the worst case: the thread competes for the GIL
+   with every call (and for the allocator's lock while it copies the segments: torch's, or the simulator
+   backend's).
+
+    PYTHONPATH=. python benchmarks/forecast_bench.py [--allocator cuda|sim] [--segments 10,100,556,2000]
+        [--tokens 100000,200000] [--seconds 10] [--rounds 3] [--json out.json]
+
+The workload is IndexerShape's reference (45 layers, 8,192-token chunks, compress ratio 4, max-model-len
+204,800, 512 MiB budget), stock width, the default allocator settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.machine import cpu_model
+
+ROWS, WIDTH = 64, 4096
+# The hooked-call part's variants: no forecast; the forecast thread; the same thread without its GIL yields.
+VARIANTS = ("off", "on", "on_no_yield")
+MiB = 1 << 20
+
+
+class Allocator:
+    """The allocator under test: a CudaBackend or a SimBackend, with the snapshot the forecast thread takes."""
+
+    def __init__(self, kind: str) -> None:
+        from harness.indexer.backends import CudaBackend, SimBackend
+
+        self.kind = kind
+        backend: Any = CudaBackend(0) if kind == "cuda" else SimBackend("")
+        self.backend = backend
+        self.kept: list[object] = []
+        self.previous: object | None = None
+        self.calls = 0
+        self.device: int | None = backend.index if kind == "cuda" else None
+
+    def fill(self, segments: int) -> None:
+        """From an empty allocator, `segments` segments: alternately a small-pool one (two 1 MiB blocks) and a
+        large one (one block of 10-16 MiB, its own segment); every allocation first (so none reuses a cached
+        block), then half of the segments' blocks freed: they stay cached, free."""
+        slots = []
+        for i in range(segments):
+            if i % 2:
+                slots.append([self.backend.alloc(MiB), self.backend.alloc(MiB)])
+            else:
+                slots.append([self.backend.alloc((10 + 2 * (i // 2 % 4)) * MiB)])
+        for i, blocks in enumerate(slots):
+            if i % 4 < 2:
+                self.kept += blocks
+            else:
+                for block in blocks:
+                    self.backend.release(block)
+                blocks.clear()
+
+    def empty(self) -> None:
+        """Free everything and give the cached segments back (the next fill starts from nothing)."""
+        for block in self.kept:
+            self.backend.release(block)
+        self.kept.clear()
+        if self.kind == "cuda":
+            self.backend.torch.cuda.synchronize()
+            self.backend.torch.cuda.empty_cache()
+        else:
+            self.backend.main.empty_cache()
+
+    def snapshot(self) -> Any:
+        if self.kind == "cuda":
+            from telemetry.hook.allocator import cuda_memory_snapshot
+
+            return cuda_memory_snapshot(self.backend.torch)
+        return self.backend.snapshot()   # under the backend's lock, between two ops
+
+    def counters(self) -> Any:
+        return self.backend.counters()
+
+    def launch(self) -> None:
+        """One logits launch, kept alive until the next (as the indexer's pipeline keeps the previous one), of
+        two alternating widths."""
+        self.calls += 1
+        width = WIDTH + 64 * (self.calls % 2)
+        current = self.backend.launch(ROWS, width, width)
+        if self.previous is not None:
+            self.backend.release(self.previous)
+        self.previous = current
+
+
+def timed(fn: Any) -> tuple[Any, float, float]:
+    cpu, wall = time.thread_time(), time.perf_counter()
+    value = fn()
+    return value, (time.thread_time() - cpu) * 1e3, (time.perf_counter() - wall) * 1e3
+
+
+def cost(kind: str, segments: list[int], tokens: list[int], repeats: int) -> list[dict]:
+    from harness.allocsim.snapshot import read_allocator_state
+    from harness.indexer.forecast import forecast
+    from harness.indexer.shape import REFERENCE_SHAPE
+
+    rows = []
+    allocator = Allocator(kind)
+    for target in sorted(segments):
+        allocator.empty()
+        allocator.fill(target)
+        parts: dict[str, list[tuple[float, float]]] = {"snapshot": [], "read": []}
+        growth = {}
+        for _ in range(repeats):
+            doc, cpu, wall = timed(allocator.snapshot)
+            parts["snapshot"].append((cpu, wall))
+            state, cpu, wall = timed(lambda doc=doc: read_allocator_state(doc, device=allocator.device))
+            parts["read"].append((cpu, wall))
+            for n in tokens:
+                result, cpu, wall = timed(lambda n=n, state=state: forecast(state, REFERENCE_SHAPE, n, alloc_conf=""))
+                parts.setdefault(f"forecast {n}", []).append((cpu, wall))
+                growth[n] = result.reserved_growth_bytes
+        median = {name: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v))
+                  for name, v in parts.items()}
+        row = {"segments": len(state.segments) + len(state.private_segments), "live_blocks": state.live_blocks(),
+               "reserved_mib": state.counters.reserved_bytes / MiB,
+               **{f"{name} cpu_ms": round(c, 3) for name, (c, _) in median.items()},
+               **{f"{name} wall_ms": round(w, 3) for name, (_, w) in median.items()},
+               "cycle_cpu_ms": round(sum(c for c, _ in median.values()), 3),
+               "growth_mib": {n: g / MiB for n, g in growth.items()}}
+        rows.append(row)
+        print(f"{row['segments']:>6} segments ({row['live_blocks']} live blocks, {row['reserved_mib']:,.0f} MiB): "
+              f"snapshot {median['snapshot'][0]:.2f} ms, read {median['read'][0]:.2f} ms, "
+              + ", ".join(f"{n:,} tokens {median[f'forecast {n}'][0]:.1f} ms" for n in tokens)
+              + f"; cycle {row['cycle_cpu_ms']:.1f} ms CPU", flush=True)
+    return rows
+
+
+def hooked_child(kind: str, forecast_on: bool, segments: int, tokens: list[int], seconds: float,
+                 interval: float) -> dict:
+    import telemetry
+    from harness.indexer.shape import REFERENCE_SHAPE
+    from telemetry.hook import set_allocator_source
+    from telemetry.hook.forecast import set_forecast_workload
+
+    allocator = Allocator(kind)
+    allocator.fill(segments)
+    if kind == "sim":
+        set_allocator_source(allocator.counters, snapshot=allocator.snapshot)
+    set_forecast_workload(REFERENCE_SHAPE, alloc_conf="")
+    options: dict[str, Any] = {"forecast_tokens": tuple(tokens), "forecast_interval_s": interval} if forecast_on else {}
+    handle = telemetry.install(["harness.indexer.launch:indexer_logits_launch"], port=None, **options)
+    for _ in range(200):   # warm-up; the first call starts the process (and the forecast thread)
+        allocator.launch()
+    forecaster = handle.forecaster
+    if forecaster is not None:
+        deadline = time.monotonic() + 60
+        while not forecaster.results.forecasts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Every cycle simulates: the shortcut for an unchanged allocator is cleared before each (the worst case).
+        run_once = forecaster.run_once
+
+        def simulate_every_cycle() -> bool:
+            forecaster._last_key = None
+            return run_once()
+
+        forecaster.run_once = simulate_every_cycle  # type: ignore[method-assign]
+    before = forecaster.results.cpu_seconds if forecaster else 0.0
+    clock = time.perf_counter_ns
+    samples = []
+    started = clock()
+    end = started + int(seconds * 1e9)
+    t0 = started
+    while t0 < end:
+        allocator.launch()
+        t1 = clock()
+        samples.append(t1 - t0)
+        t0 = t1
+    seconds = (t0 - started) / 1e9
+    if kind == "cuda":
+        allocator.backend.finish()
+    thread_cpu = (forecaster.results.cpu_seconds - before) if forecaster else 0.0
+    handle.uninstall()
+    samples.sort()
+
+    def at(q: float) -> float:
+        return samples[min(len(samples) - 1, int(q * len(samples)))] / 1e3
+
+    return {"forecast": forecast_on, "calls": len(samples), "seconds": seconds, "p50_us": at(0.5), "p99_us": at(0.99),
+            "p999_us": at(0.999), "max_us": samples[-1] / 1e3, "mean_us": sum(samples) / len(samples) / 1e3,
+            "forecast_cpu_s_during": thread_cpu}
+
+
+def hooked(kind: str, segments: int, tokens: list[int], seconds: float, rounds: int, interval: float) -> dict:
+    runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    for _ in range(rounds):
+        for variant in VARIANTS:
+            command = [sys.executable, __file__, "--child", variant, "--allocator", kind, "--hooked-segments",
+                       str(segments), "--tokens", ",".join(map(str, tokens)), "--seconds", str(seconds),
+                       "--interval", str(interval)]
+            out = subprocess.run(command, capture_output=True, text=True, timeout=1800,
+                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+            if out.returncode != 0:
+                raise SystemExit(f"hooked-call child failed:\n{out.stderr[-4000:]}")
+            runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    summary = {}
+    for variant, results in runs.items():
+        summary[variant] = {key: statistics.median(r[key] for r in results)
+                            for key in ("calls", "p50_us", "p99_us", "p999_us", "max_us", "mean_us", "seconds",
+                                        "forecast_cpu_s_during")}
+        s = summary[variant]
+        print(f"hooked call, forecast {variant:>11}: p50 {s['p50_us']:.1f} us, p99 {s['p99_us']:.1f} us, "
+              f"p99.9 {s['p999_us']:.1f} us, max {s['max_us']:.0f} us over {s['calls']:,.0f} calls "
+              f"({s['seconds']:.1f} s); "
+              f"forecast CPU meanwhile {s['forecast_cpu_s_during']:.2f} s", flush=True)
+    return {"segments": segments, "seconds": seconds, "rounds": rounds, "interval_s": interval, "runs": runs,
+            "median": summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--allocator", choices=("cuda", "sim"), default=None,
+                        help="cuda (default where torch sees a GPU) or sim")
+    parser.add_argument("--segments", default="10,100,556,2000", help="allocator sizes for the cost part")
+    parser.add_argument("--tokens", default="100000,200000", help="forecast lengths")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hooked-segments", type=int, default=556, help="allocator size in the hooked-call part")
+    parser.add_argument("--seconds", type=float, default=10.0, help="hooked calls for this long per variant and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--interval", type=float, default=1.0, help="forecast interval in the hooked-call part")
+    parser.add_argument("--skip-hooked", action="store_true", help="only the cost part")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if min(args.repeats, args.rounds) < 1 or args.seconds <= 0:
+        parser.error("--repeats and --rounds must be at least 1, --seconds above 0")
+    kind = args.allocator
+    if kind is None:
+        from harness.indexer.backends import cuda_available
+
+        kind = "cuda" if cuda_available() else "sim"
+    if args.child:
+        if args.child == "on_no_yield":   # the thread as it was before it yielded the GIL (runner.GilYield)
+            from telemetry.hook.forecast import runner
+
+            runner.GilYield.__call__ = lambda self: None  # type: ignore[method-assign]
+        print(json.dumps(hooked_child(kind, args.child != "off", args.hooked_segments, tokens, args.seconds,
+                                      args.interval)))
+        return 0
+    machine: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                               "allocator": kind}
+    if kind == "cuda":
+        import torch
+
+        machine.update(torch=torch.__version__, gpu=torch.cuda.get_device_name(0))
+    print(json.dumps(machine), flush=True)
+    result: dict[str, Any] = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "tokens": tokens,
+                              "cost": cost(kind, [int(s) for s in args.segments.split(",")], tokens, args.repeats)}
+    if not args.skip_hooked:
+        result["hooked"] = hooked(kind, args.hooked_segments, tokens, args.seconds, args.rounds, args.interval)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+# Types of the compiled reader (_meminfo_speedups.c), for mypy.
+
+def read_available_and_swap_free(fd: int, /) -> tuple[int | None, int | None]: ...

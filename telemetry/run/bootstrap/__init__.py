@@ -1,0 +1,1 @@
+"""The directory memtel run puts first on PYTHONPATH: it holds only `sitecustomize.py` (see there)."""
