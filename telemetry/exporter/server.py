@@ -31,10 +31,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from telemetry.errors import ConfigError, RunError
 from telemetry.exporter.address import format_listen
+from telemetry.exporter.exposition import Renderer
 from telemetry.exporter.protocol import BadRequest, Request, build_response, parse_request, split_head
 from telemetry.exporter.webconfig import WebConfig
 
@@ -92,6 +93,7 @@ class MetricsServer:
                  health: Callable[[], dict] | None = None, web_config: WebConfig | None = None,
                  limits: ServerLimits | None = None, name: str = "memtel") -> None:
         self.registry = registry
+        self._renderer = Renderer()
         self.health = health
         self.web_config = web_config or WebConfig()
         self.limits = limits or ServerLimits()
@@ -469,7 +471,7 @@ class MetricsServer:
     def _route(self, path: str) -> tuple[int, bytes, str]:
         if path == "/metrics":
             try:
-                return 200, generate_latest(self.registry), CONTENT_TYPE_LATEST
+                return 200, self._renderer.render(self.registry), CONTENT_TYPE_LATEST
             except Exception as exc:  # collectors are isolated by their wrapper; this is a last guard
                 log.exception("rendering /metrics failed")
                 return 500, f"rendering metrics failed: {exc}\n".encode(), _TEXT
