@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # name -> (module, one-line help). Order is the order shown by `memtel --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -38,6 +38,20 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _import_command(name: str, module_name: str) -> Any:
+    """The subcommand's module; a package of an extra that is not installed is one line and exit 2."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing in ("", "telemetry", "harness"):
+            raise
+        extra = "memtel[harness]" if module_name.startswith("harness.") else "memtel"
+        print(f"memtel {name}: error: it needs the Python package {missing!r}, which is not installed here: "
+              f"install it with pip install '{extra}'", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     from telemetry import __version__
 
@@ -47,7 +61,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name, (module_name, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if only is None or name == only:
-            module = importlib.import_module(module_name)
+            module = _import_command(name, module_name)
             module.configure(sub_parser)
             sub_parser.set_defaults(_run=module.run)
     return parser

@@ -14,17 +14,22 @@ log() { printf '[memtel setup] %s\n' "$*" >&2; }
 # What an install depends on: the package metadata, the compiled part and this script.
 stamp_of() { cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/telemetry/procfs/*.c "$ROOT/scripts/lib/setup.sh" | sha256sum | cut -c1-16; echo "$*"; }
 
-# ensure_venv EXTRAS: .venv with memtel installed editable, with the given extras ("" or "test").
+# ensure_venv EXTRAS: .venv with memtel installed editable, with the given extras ("", "harness" or "test";
+# "test" also installs the pinned CPU torch).
 ensure_venv() {
     local extras=$1 venv="$ROOT/.venv" want have=""
     want=$(stamp_of "$extras")
     [ -f "$venv/.memtel-stamp" ] && have=$(cat "$venv/.memtel-stamp")
     if [ -x "$venv/bin/python" ] && [ "$have" = "$want" ]; then return 0; fi
+    # the test extras include the harness extra: a test venv serves the demo as it is
+    if [ -x "$venv/bin/python" ] && [ "$extras" = "harness" ] && [ "$have" = "$(stamp_of test)" ]; then return 0; fi
     [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
     log "installing memtel${extras:+[$extras]} into $venv"
     pip_quiet "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-    if [ -n "$extras" ]; then
+    if [ "$extras" = "test" ]; then   # CI's CPU torch, pinned here only (never in a user-facing extra)
         pip_quiet "$venv/bin/python" -m pip install -q "$TORCH_PIN"
+    fi
+    if [ -n "$extras" ]; then
         pip_quiet "$venv/bin/python" -m pip install -q -e "$ROOT[$extras]"
     else
         pip_quiet "$venv/bin/python" -m pip install -q -e "$ROOT"
