@@ -16,13 +16,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from tests.ab.lab import events, harness, records, tail, wait_for
+from tests.ab.lab import node_daemon as run_node_daemon
 from tests.support.ports import free_port
 from tests.support.vllm import server_env, vllm_python
 
@@ -31,41 +32,6 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 # A function that runs once per attention layer in the CPU worker (eager custom op, also under torch.compile).
 HOOK_TARGET = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"harness exited ({proc.returncode}) while waiting for {what}:\n{tail(log)}")
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}:\n{tail(log)}")
-
-
-def tail(path: Path | None, lines: int = 40) -> str:
-    if path is None or not path.exists():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "results.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def events(run_dir: Path, kind: str, **match) -> list[dict]:
-    return [r for r in records(run_dir) if r["event"] == kind and all(r.get(k) == v for k, v in match.items())]
 
 
 def group_gone(pgid: int) -> bool:
@@ -84,19 +50,6 @@ def port_free(port: int) -> bool:
     except httpx.HTTPError:
         return False
     return False
-
-
-def _child_sigint_default() -> None:
-    """In the child: Ctrl-C's default, whatever this test process inherited. A suite started in the
-    background by a shell (`pytest ... &`) runs with SIGINT ignored, and a child would inherit that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def harness(args: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "ab") as out:  # the child keeps its own descriptor
-        return subprocess.Popen([sys.executable, "-m", "telemetry", "ab", *args], cwd=ROOT,
-                                preexec_fn=_child_sigint_default, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
 
 
 def serve_arm(name: str, model: Path, port: int, hook_port: int | None = None, on_error: str | None = None,
@@ -119,30 +72,8 @@ def serve_arm(name: str, model: Path, port: int, hook_port: int | None = None, o
 @pytest.fixture(scope="module")
 def node_daemon(tmp_path_factory):
     """The real memtel node daemon on a free loopback port."""
-    state = tmp_path_factory.mktemp("daemon-state")
-    port = free_port()
-    log = state / "daemon.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "telemetry", "daemon", "--listen", f"127.0.0.1:{port}",
-                                 "--state-dir", str(state)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/metrics"
-
-    def up():
-        try:
-            return httpx.get(url, timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(up, 60, "the node daemon", proc, log)
+    with run_node_daemon(tmp_path_factory.mktemp("daemon-state")) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_two_arms_interrupted_twice_then_resumed(tmp_path, tiny_model, node_daemon):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import httpx
@@ -29,7 +28,7 @@ import psutil
 import pytest
 
 from tests.support.ports import free_port, free_port_block
-from tests.support.vllm import VOCAB_WORDS, VllmServer
+from tests.support.vllm import VOCAB_WORDS, VllmServer, one_call_log
 
 pytestmark = pytest.mark.vllm
 
@@ -114,14 +113,7 @@ def test_hook_counts_every_attention_layer_call_in_the_cpu_worker(tiny_model, tm
         assert calls - calls_before == layers * len(expected_steps)
 
         # One JSONL record per call (the writer flushes every 0.5 s).
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            logs = list(log_dir.glob("memtel-calls-*.jsonl"))
-            if len(logs) == 1 and len(logs[0].read_text().splitlines()) >= calls:
-                break
-            time.sleep(0.2)
-        (log,) = log_dir.glob("memtel-calls-*.jsonl")
-        records = [json.loads(line) for line in log.read_text().splitlines()]
+        log, records = one_call_log(log_dir, calls)
         assert [r["call"] for r in records] == list(range(int(calls)))
         worker_pid = records[0]["pid"]
         assert log.name == f"memtel-calls-rank0-pid{worker_pid}.jsonl"

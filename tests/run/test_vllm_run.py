@@ -22,7 +22,7 @@ import pytest
 
 from tests.hook.test_vllm_real import CHUNK, REQUESTS, TARGET, listeners, one, scrape, step_sizes
 from tests.support.ports import free_port, free_port_block
-from tests.support.vllm import VOCAB_WORDS, VllmServer, vllm_python
+from tests.support.vllm import VOCAB_WORDS, VllmServer, one_call_log, vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -80,14 +80,7 @@ def test_vllm_under_memtel_run_without_its_plugin(tiny_model, tmp_path):
                       if k.startswith("memtel_hook_unresolved_targets{")}
         assert unresolved == {TARGET: 0.0, INDEXER: 1.0, "vllm.utils.deep_gemm:fp8_fp4_mqa_logits": 1.0}
 
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            logs = list(log_dir.glob("memtel-calls-*.jsonl"))
-            if len(logs) == 1 and len(logs[0].read_text().splitlines()) >= calls:
-                break
-            time.sleep(0.2)
-        (log,) = log_dir.glob("memtel-calls-*.jsonl")
-        records = [json.loads(line) for line in log.read_text().splitlines()]
+        log, records = one_call_log(log_dir, calls)
         worker_pid = records[0]["pid"]
         assert log.name == f"memtel-calls-rank0-pid{worker_pid}.jsonl"
         assert [r["call"] for r in records] == list(range(int(calls)))

@@ -178,3 +178,17 @@ if __name__ == "__main__":  # manual check: python tests/support/vllm.py /tmp/ti
     with VllmServer(model, int(sys.argv[2])) as server:
         print(httpx.post(server.url + "/v1/completions",
                          json={"model": "tiny", "prompt": "ka lo mi", "max_tokens": 4}).json())
+
+
+def one_call_log(log_dir: Path, calls: int | float, timeout: float = 10.0) -> tuple[Path, list[dict]]:
+    """The hook's one JSONL call log in `log_dir` and its records, once it holds at least `calls` of them (the
+    writer flushes every 0.5 s); fails if there is not exactly one log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        logs = list(log_dir.glob("memtel-calls-*.jsonl"))
+        if len(logs) == 1 and len(logs[0].read_text().splitlines()) >= calls:
+            break
+        time.sleep(0.2)
+    (log,) = log_dir.glob("memtel-calls-*.jsonl")
+    return log, [json.loads(line) for line in log.read_text().splitlines()]
+
