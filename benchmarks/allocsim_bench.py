@@ -25,9 +25,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from harness.allocsim import CachingAllocatorSim
-from harness.allocsim.ops import replay_cases, replay_ops
-from harness.allocsim.snapshot import read_allocator_state, seeded_simulator
+from telemetry.model.allocsim import CachingAllocatorSim
+from telemetry.model.allocsim.ops import replay_cases, replay_ops
+from telemetry.model.allocsim.snapshot import read_allocator_state, seeded_simulator
 
 REPO = Path(__file__).resolve().parents[1]
 TRUTH_DIRS = [REPO / "tests" / "fixtures" / "allocator-truth", REPO.parent / "shared" / "data" / "allocator-truth"]
@@ -147,7 +147,7 @@ def section_scale(repeat: int) -> None:
 
 
 def section_replay(repeat: int) -> None:
-    from harness.indexer.replay import ArmSpec, ReplayParams, replay
+    from telemetry.model.indexer.replay import ArmSpec, ReplayParams, replay
 
     params = ReplayParams()
     arms = [ArmSpec("stock"), ArmSpec("fixed")]
@@ -159,10 +159,10 @@ def section_replay(repeat: int) -> None:
 
 
 def section_whatif(repeat: int) -> None:
-    from harness.allocsim.recorder import RecordingSim
-    from harness.allocsim.snapshot_file import parse_snapshot_bytes
-    from harness.allocsim.trace import read_trace
-    from harness.allocsim.whatif import plan_trace, replay_plan
+    from telemetry.model.allocsim.recorder import RecordingSim
+    from telemetry.model.allocsim.snapshot_file import parse_snapshot_bytes
+    from telemetry.model.allocsim.trace import read_trace
+    from telemetry.model.allocsim.whatif import plan_trace, replay_plan
 
     rec = RecordingSim("")
     rng = random.Random(1)
@@ -197,8 +197,8 @@ def section_whatif(repeat: int) -> None:
 
 
 def section_forecast(repeat: int) -> None:
-    from harness.indexer.forecast import forecast
-    from harness.indexer.shape import REFERENCE_SHAPE
+    from telemetry.model.indexer.forecast import forecast
+    from telemetry.model.indexer.shape import REFERENCE_SHAPE
 
     for segments in (556, 5_000):
         snapshot = synthetic_snapshot(segments)

@@ -50,7 +50,7 @@ class Allocator:
     """The allocator under test: a CudaBackend or a SimBackend, with the snapshot the forecast thread takes."""
 
     def __init__(self, kind: str) -> None:
-        from harness.indexer.backends import CudaBackend, SimBackend
+        from telemetry.model.indexer.backends import CudaBackend, SimBackend
 
         self.kind = kind
         backend: Any = CudaBackend(0) if kind == "cuda" else SimBackend("")
@@ -117,9 +117,9 @@ def timed(fn: Any) -> tuple[Any, float, float]:
 
 
 def cost(kind: str, segments: list[int], tokens: list[int], repeats: int) -> list[dict]:
-    from harness.allocsim.snapshot import read_allocator_state
-    from harness.indexer.forecast import forecast
-    from harness.indexer.shape import REFERENCE_SHAPE
+    from telemetry.model.allocsim.snapshot import read_allocator_state
+    from telemetry.model.indexer.forecast import forecast
+    from telemetry.model.indexer.shape import REFERENCE_SHAPE
 
     rows = []
     allocator = Allocator(kind)
@@ -156,9 +156,9 @@ def cost(kind: str, segments: list[int], tokens: list[int], repeats: int) -> lis
 def hooked_child(kind: str, forecast_on: bool, segments: int, tokens: list[int], seconds: float,
                  interval: float) -> dict:
     import telemetry
-    from harness.indexer.shape import REFERENCE_SHAPE
     from telemetry.hook import set_allocator_source
     from telemetry.hook.forecast import set_forecast_workload
+    from telemetry.model.indexer.shape import REFERENCE_SHAPE
 
     allocator = Allocator(kind)
     allocator.fill(segments)
@@ -166,7 +166,7 @@ def hooked_child(kind: str, forecast_on: bool, segments: int, tokens: list[int],
         set_allocator_source(allocator.counters, snapshot=allocator.snapshot)
     set_forecast_workload(REFERENCE_SHAPE, alloc_conf="")
     options: dict[str, Any] = {"forecast_tokens": tuple(tokens), "forecast_interval_s": interval} if forecast_on else {}
-    handle = telemetry.install(["harness.indexer.launch:indexer_logits_launch"], port=None, **options)
+    handle = telemetry.install(["telemetry.model.indexer.launch:indexer_logits_launch"], port=None, **options)
     for _ in range(200):   # warm-up; the first call starts the process (and the forecast thread)
         allocator.launch()
     forecaster = handle.forecaster
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats and --rounds must be at least 1, --seconds above 0")
     kind = args.allocator
     if kind is None:
-        from harness.indexer.backends import cuda_available
+        from telemetry.model.indexer.backends import cuda_available
 
         kind = "cuda" if cuda_available() else "sim"
     if args.child:

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from harness import limits
 from harness.ab.gates import Gate, parse_gates
 from harness.ab.rundir import name_problem, relative_path_problem
+from telemetry import limits
 from telemetry.errors import ConfigError
 
 API_KINDS = ("completions", "chat")

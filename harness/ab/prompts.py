@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.limits import MAX_PREFILL_TOKENS, MAX_WORDS_FILE_BYTES
 from telemetry.errors import RunError
+from telemetry.limits import MAX_PREFILL_TOKENS, MAX_WORDS_FILE_BYTES
 
 # Common English words: real tokenizers give each one or two tokens, which keeps the
 # tokens-per-word ratio stable and the needle retrievable by a real model.

@@ -17,8 +17,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from harness.limits import MAX_NAME_CHARS
 from telemetry.errors import ConfigError
+from telemetry.limits import MAX_NAME_CHARS
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 SAFE_NAME_TEXT = "letters, digits, '.', '_' or '-', starting with a letter or digit"

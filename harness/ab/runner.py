@@ -65,8 +65,8 @@ from harness.ab.redact import Redactor, redact_argv, redact_env
 from harness.ab.rundir import inside_run_dir, private_files
 from harness.ab.samplers import NodeSampler, Scraper
 from harness.ab.serve import ServedProcess, ServeError, kill_stale
-from harness.limits import MAX_PREFILL_TOKENS
 from telemetry.errors import ConfigError
+from telemetry.limits import MAX_PREFILL_TOKENS
 
 RUN_DIR_ENTRIES = (RESULTS_FILE, "report.md", "summary.json", "plots", "prompts", "logs", "hook-logs")
 REPO_ROOT = Path(__file__).resolve().parents[2]

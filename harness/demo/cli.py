@@ -21,16 +21,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import limits
 from harness.ab.config import DEFAULT_STEPS, Step
-from harness.argtypes import bounded_float, bounded_int, fraction, shown
 from harness.demo.setup import DemoSetup
-from harness.indexer.backends import ALLOCATORS, cuda_available, default_allocator
-from harness.indexer.planner import MODES
-from harness.indexer.shape import add_shape_arguments, shape_from_args
 from harness.ports import free_port_block
 from harness.processes import die_with_parent, wait_healthy
+from telemetry import limits
+from telemetry.argtypes import bounded_float, bounded_int, fraction, shown
 from telemetry.errors import ConfigError, RunError
+from telemetry.model.indexer.backends import ALLOCATORS, cuda_available, default_allocator
+from telemetry.model.indexer.planner import MODES
+from telemetry.model.indexer.shape import add_shape_arguments, shape_from_args
 
 DEMO_MODEL = "lab"
 MAX_TOKENS = 16  # output tokens per request

@@ -3,7 +3,7 @@
 `memtel ab report` knows nothing about the lab server, so a reader of the demo's report would not know
 that the servers were a model of the indexer, what the scale means, or whether the numbers are right.
 This section says so and checks the run against a prediction made independently of the lab server: the
-launch loop (`harness.indexer.prefill.run_prefill`, as `memtel replay` runs it) on a fresh simulator, fed
+launch loop (`telemetry.model.indexer.prefill.run_prefill`, as `memtel replay` runs it) on a fresh simulator, fed
 the same prompts in the same order, with the same shape. With the simulator the two must agree exactly.
 It also says what the TTFT columns measure here, so that a difference between the arms on this machine
 is not taken for the fix's effect.
@@ -23,11 +23,11 @@ from harness.ab.report import Report, RunMetrics, Section, Table
 from harness.ab.report import markdown as md
 from harness.ab.report.hook_calls import CallSeries
 from harness.demo.setup import DemoSetup
-from harness.indexer.backends import SimBackend
-from harness.indexer.planner import ChunkStep, Launch, Mode, check_mode, plan_prefill
-from harness.indexer.prefill import LaunchPattern, PrefillObserver, run_prefill
-from harness.indexer.shape import MIB
 from harness.labserver.cost_model import CostModel
+from telemetry.model.indexer.backends import SimBackend
+from telemetry.model.indexer.planner import ChunkStep, Launch, Mode, check_mode, plan_prefill
+from telemetry.model.indexer.prefill import LaunchPattern, PrefillObserver, run_prefill
+from telemetry.model.indexer.shape import MIB
 
 SUMMARY_FILE = "demo-summary.json"
 H200_RECORD = "docs/results/h200-demo-cuda.md"
@@ -170,7 +170,8 @@ def _intro(setup: DemoSetup, metrics: RunMetrics) -> list[str]:
         f"is prefilled in {shape.chunk:,}-token chunks through {shape.layers} layers; at each chunk step and layer "
         f"the indexer planner (logits budget {shape.logits_budget_mib:g} MiB per launch, compress ratio "
         f"{shape.compress_ratio}) decides the float32 logits launches, and each launch goes through "
-        f"`harness.indexer.launch:indexer_logits_launch`, where memtel's hook (preset `lab-indexer`) records the "
+        f"`telemetry.model.indexer.launch:indexer_logits_launch`, where memtel's hook (preset `lab-indexer`) "
+        f"records the "
         f"allocator and the host after every call. **stock** allocates `[rows, N]` with N the kv length so far; "
         f"**fixed** allocates `[rows, {shape.padded_width:,}]` (the padded width, max-model-len / ratio) from the "
         f"first chunk on. Every rank computes the whole logits buffer, as the TP ranks of vLLM's indexer do (its "
@@ -178,7 +179,7 @@ def _intro(setup: DemoSetup, metrics: RunMetrics) -> list[str]:
     if setup.allocator == "sim":
         lines.append(
             f"**Allocator: simulator with unified-memory emulation.** The ranks run PyTorch's caching-allocator "
-            f"rules on a simulator (`harness.allocsim`), and every segment it maps is backed by real, touched "
+            f"rules on a simulator (`telemetry.model.allocsim`), and every segment it maps is backed by real, touched "
             f"host pages (released when the segment is), so the host's `MemAvailable` below falls as it would on a "
             f"DGX Spark or Grace Hopper box where device memory comes out of host memory. **Scale {setup.scale:g}:** "
             f"every launch has ceil(rows × {setup.scale:g}) rows, so every byte figure here is about {setup.scale:g} "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from harness.indexer.shape import REFERENCE_SHAPE, IndexerShape, shape_arguments
+from telemetry.model.indexer.shape import REFERENCE_SHAPE, IndexerShape, shape_arguments
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,15 @@ import signal
 import socket
 import threading
 
-from harness import limits
-from harness.argtypes import bounded_float, bounded_int, fraction, port
-from harness.indexer.backends import ALLOCATORS, default_allocator
-from harness.indexer.planner import MODES
-from harness.indexer.shape import add_shape_arguments, shape_from_args
 from harness.labserver.engine import LabConfig
 from harness.ports import LAB_SERVER_PORT
+from telemetry import limits
+from telemetry.argtypes import bounded_float, bounded_int, fraction, port
 from telemetry.errors import ConfigError, RunError
 from telemetry.hook.config import DEFAULT_PORT as HOOK_DEFAULT_PORT
+from telemetry.model.indexer.backends import ALLOCATORS, default_allocator
+from telemetry.model.indexer.planner import MODES
+from telemetry.model.indexer.shape import add_shape_arguments, shape_from_args
 
 log = logging.getLogger("memtel.lab")
 

@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.indexer.backends import ALLOCATORS
-from harness.indexer.planner import MODES, Mode
-from harness.indexer.shape import REFERENCE_SHAPE, IndexerShape
 from harness.labserver.cost_model import CostModel
 from harness.labserver.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
 from harness.labserver.worker import RankConfig, RankPrefill, rank_main
 from telemetry.errors import ConfigError, RunError
+from telemetry.model.indexer.backends import ALLOCATORS
+from telemetry.model.indexer.planner import MODES, Mode
+from telemetry.model.indexer.shape import REFERENCE_SHAPE, IndexerShape
 
 log = logging.getLogger("memtel.lab.engine")
 

@@ -1,8 +1,8 @@
 """One rank of the lab server: a worker process that runs the indexer's logits launches of a prefill.
 
-Each rank runs every prefill through the one launch loop (`harness.indexer.prefill.run_prefill`, the
+Each rank runs every prefill through the one launch loop (`telemetry.model.indexer.prefill.run_prefill`, the
 same as `memtel replay`) on its backend, so every launch goes through
-`harness.indexer.launch:indexer_logits_launch`, the hook target of the `lab-indexer` preset, and
+`telemetry.model.indexer.launch:indexer_logits_launch`, the hook target of the `lab-indexer` preset, and
 memtel's hook records the allocator and the host after every launch, exactly as it does on a vLLM
 worker. Like vLLM's DeepSeek V3.2 indexer (whose query projection is a ReplicatedLinear), every
 tensor-parallel rank computes the whole logits buffer, so every rank shows the same allocation pattern.
@@ -30,12 +30,12 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
-from harness.indexer.backends import CudaBackend, LaunchBackend, SimBackend
-from harness.indexer.planner import ChunkStep, Launch, Mode
-from harness.indexer.prefill import LaunchPattern, PrefillObserver, run_prefill
-from harness.indexer.shape import IndexerShape
 from harness.labserver.cost_model import CostModel
 from harness.processes import die_with_parent
+from telemetry.model.indexer.backends import CudaBackend, LaunchBackend, SimBackend
+from telemetry.model.indexer.planner import ChunkStep, Launch, Mode
+from telemetry.model.indexer.prefill import LaunchPattern, PrefillObserver, run_prefill
+from telemetry.model.indexer.shape import IndexerShape
 
 log = logging.getLogger("memtel.lab.worker")
 

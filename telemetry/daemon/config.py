@@ -21,6 +21,7 @@ from telemetry.daemon.kmsg.classify import UserPattern
 from telemetry.daemon.patterns import compile_user_pattern
 from telemetry.errors import ConfigError
 from telemetry.exporter.address import parse_listen as _parse_listen
+from telemetry.paths import default_state_dir
 
 DEFAULT_LISTEN = "0.0.0.0:9101"  # next to node_exporter's 9100, far from dcgm-exporter's 9400
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -40,16 +41,6 @@ LIMITS: dict[str, tuple[float, float]] = {
 }
 MAX_FLIGHT_RECORDS = 100_000  # flight.duration_seconds / flight.interval_seconds: the ring's slots
 MAX_HOOK_TARGETS = 16
-
-
-def default_state_dir() -> Path:
-    # systemd's StateDirectory= sets STATE_DIRECTORY; root uses /var/lib; anyone else their XDG state dir.
-    if os.environ.get("STATE_DIRECTORY"):
-        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
-    if os.geteuid() == 0:
-        return Path("/var/lib/memtel")
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "memtel"
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     collectors, follower = build_collectors(config)
     flight = None
     if config.flight_enabled:
-        from telemetry.flight.daemon import COLLECTOR_NAME, DaemonFlight
+        from telemetry.daemon.flight import COLLECTOR_NAME, DaemonFlight
 
         flight = DaemonFlight(config)
         collectors[COLLECTOR_NAME] = flight.recorder

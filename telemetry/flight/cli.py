@@ -57,7 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def ring_path(state_dir: str | None, boot: str) -> Path:
     if state_dir is None:
-        from telemetry.daemon.config import default_state_dir
+        from telemetry.paths import default_state_dir
 
         directory = default_state_dir() / "flight"
     else:

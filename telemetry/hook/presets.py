@@ -141,11 +141,11 @@ PRESETS: dict[str, tuple[PresetSite, ...]] = {
             layer="sglang.srt.layers.attention.dsa.dsa_indexer_kpool:IndexerKPool",
         ),
     ),
-    # The lab server's stand-in for the indexer (harness/indexer/launch.py): one call per logits launch.
+    # The lab server's stand-in for the indexer (telemetry/model/indexer/launch.py): one call per logits launch.
     "lab-indexer": (
         PresetSite(
-            target="harness.indexer.launch:indexer_logits_launch",
-            call_sites=("harness.indexer.backends",),
+            target="telemetry.model.indexer.launch:indexer_logits_launch",
+            call_sites=("telemetry.model.indexer.backends",),
             lookup="module attribute",
             why="the launch backends of the lab server, `memtel replay` and the demo call it as "
                 "`indexer.indexer_logits_launch` once per logits launch (docs/architecture.md)",

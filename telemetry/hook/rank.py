@@ -5,7 +5,7 @@ in a vLLM worker's environment, so the rank cannot be known at install time. At 
 torch.distributed if it is initialized, else an engine's parallel state if it is imported and
 initialized (vLLM's or SGLang's world group: SGLang's is a copy of vLLM's, and its local rank is the
 scheduler's `gpu_id`), else the RANK/LOCAL_RANK environment variables, else, under `memtel run`, the
-process's order among the run's processes that started their hook (telemetry/run/order.py), else 0.
+process's order among the run's processes that started their hook (telemetry/hook/run_order.py), else 0.
 The local rank (the exporter's port offset) is the engine's, else LOCAL_RANK, else the rank.
 Nothing is imported here: modules are looked up in sys.modules.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 # Engines whose world group (`parallel_state._WORLD`, a GroupCoordinator with `rank` and `local_rank`) names
 # the rank: the label of the rank's source, and the module.
 ENGINE_WORLDS = (("vllm", "vllm.distributed.parallel_state"), ("sglang", "sglang.srt.distributed.parallel_state"))
-RUN_DIR_ENV = "MEMTEL_RUN_DIR"   # set by memtel run (telemetry/run/order.py)
+RUN_DIR_ENV = "MEMTEL_RUN_DIR"   # set by memtel run (telemetry/hook/run_order.py)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def run_order(environ: Mapping[str, str] = os.environ, *, take: bool = False) ->
     if _order is None or _order[:2] != (pid, directory):
         if not take:
             return None
-        from telemetry.run import order
+        from telemetry.hook import run_order as order
 
         _order = (pid, directory, order.take(directory))
     return _order[2]

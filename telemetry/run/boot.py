@@ -112,7 +112,7 @@ def boot(environ: Mapping[str, str] = os.environ) -> None:
 
 def _watch_the_run(handle, environ: Mapping[str, str], delay: float | None) -> None:
     """In the run's first process: warn when no process of the run has hooked anything (after `delay`, at exit)."""
-    from telemetry.run import order
+    from telemetry.hook import run_order as order
 
     directory = environ.get(order.RUN_DIR_ENV, "")
     if not directory or not order.claim_first(directory):
@@ -144,8 +144,8 @@ class _NothingHookedWatch:
             timer.join(timeout=1.0)
 
     def check(self, when: str, engines_wait: bool = False) -> None:
+        from telemetry.hook import run_order as order
         from telemetry.hook.presets import MODEL_LOADED
-        from telemetry.run import order
 
         if os.getpid() != self.pid or not self.handle.active or self.handle.state.started:
             return   # a forked child, an uninstalled hook, or this process records: its own check reports

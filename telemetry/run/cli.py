@@ -51,8 +51,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def prepare(args: argparse.Namespace, environ: Mapping[str, str], pid: int) -> tuple[list[str], dict[str, str]]:
     """The command and the environment to exec it with; ConfigError for bad input (nothing started yet)."""
+    from telemetry.hook import run_order as order
     from telemetry.hook.config import parse_port, parse_target_list
-    from telemetry.run import boot, order
+    from telemetry.run import boot
     from telemetry.safefs import ensure_private_dir
 
     command = program_of(args)

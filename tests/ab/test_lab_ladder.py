@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.indexer.planner import plan_prefill
-from harness.indexer.shape import IndexerShape
+from telemetry.model.indexer.planner import plan_prefill
+from telemetry.model.indexer.shape import IndexerShape
 from tests.ab.lab import ROOT, events, harness, lab_arm, node_daemon, records, run_ab, tail, wait_for
 
 LONG_LADDER = ROOT / "configs" / "ladders" / "long-context-32k-1m.yaml"

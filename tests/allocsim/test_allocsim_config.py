@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from harness.allocsim.config import SIZE_MAX, AllocatorConfigError, parse_alloc_conf
+from telemetry.model.allocsim.config import SIZE_MAX, AllocatorConfigError, parse_alloc_conf
 
 MIB = 1024 * 1024
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.allocsim import (
+from telemetry.model.allocsim import (
     CachingAllocatorSim,
     SimulatedOutOfMemoryError,
     allocation_size,

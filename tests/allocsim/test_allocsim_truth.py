@@ -1,7 +1,7 @@
 """The simulator against real allocator statistics: every row of every op of every case, exactly.
 
 Truth files: tests/fixtures/allocator-truth/ (captured on an H200 with torch 2.11 by
-harness/allocsim/truth_capture.py and `memtel replay --record`) and the shared sample in
+telemetry/model/allocsim/truth_capture.py and `memtel replay --record`) and the shared sample in
 ../shared/data/allocator-truth/ next to the clone. A file's cases are replayed in file order through
 one model of the driver's device addresses, as the capture ran them in one process. The
 `*.addresses.json` sidecars hold every malloc's real device pointer: they check the address model
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.allocsim import CachingAllocatorSim, SimulatedOutOfMemoryError
-from harness.allocsim.driver_va import ARENA_TOP, CONTEXT_SIZE, DriverAddressSpace
-from harness.allocsim.ops import first_mismatch, replay_cases, replay_ops
+from telemetry.model.allocsim import CachingAllocatorSim, SimulatedOutOfMemoryError
+from telemetry.model.allocsim.driver_va import ARENA_TOP, CONTEXT_SIZE, DriverAddressSpace
+from telemetry.model.allocsim.ops import first_mismatch, replay_cases, replay_ops
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "allocator-truth"
@@ -194,7 +194,7 @@ def test_fixtures_hold_address_sensitive_cases():
 
 def test_the_memory_fraction_capture_really_ran_out_of_memory():
     # The fraction config exercises the OOM path (free cached, retry) and garbage collection.
-    from harness.allocsim import CachingAllocatorSim
+    from telemetry.model.allocsim import CachingAllocatorSim
 
     path = FIXTURES / "h200-torch2.11-per-process-memory-fraction-0.05-garbage-collection-threshold-0.6.json"
     doc = _doc(path)

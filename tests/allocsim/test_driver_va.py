@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.allocsim.driver_va import ARENA_TOP, CONTEXT_SIZE, DriverAddressSpace
+from telemetry.model.allocsim.driver_va import ARENA_TOP, CONTEXT_SIZE, DriverAddressSpace
 
 MIB = 1024 * 1024
 BOTTOM = ARENA_TOP - CONTEXT_SIZE  # below the CUDA context: where new chunks start

@@ -7,7 +7,7 @@ from bisect import bisect_left, insort
 
 import pytest
 
-from harness.allocsim.driver_va import (
+from telemetry.model.allocsim.driver_va import (
     ARENA_TOP,
     CHUNK_GRANULARITY,
     CONTEXT_HOLES,
@@ -15,7 +15,7 @@ from harness.allocsim.driver_va import (
     MAP_PAD,
     DriverAddressSpace,
 )
-from harness.allocsim.ordered import MaxTree, SortedList
+from telemetry.model.allocsim.ordered import MaxTree, SortedList
 
 MIB = 1024 * 1024
 

@@ -1,6 +1,6 @@
 """Live on a CUDA GPU (marker `gpu`): a fresh capture agrees with the seeded simulator, `forecast` and `whatif`.
 
-The same checks as test_snapshot_truth.py, on captures made now by harness/allocsim/snapshot_capture.py
+The same checks as test_snapshot_truth.py, on captures made now by telemetry/model/allocsim/snapshot_capture.py
 (one seeded process; the small what-if workload recorded, and run plain under two settings).
 """
 
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.allocsim.ops import first_mismatch, replay_ops
-from harness.allocsim.snapshot import load_allocator_state
-from harness.allocsim.trace import load_trace
-from harness.allocsim.whatif import whatif
-from harness.indexer.forecast import forecast
-from harness.indexer.shape import IndexerShape
+from telemetry.model.allocsim.ops import first_mismatch, replay_ops
+from telemetry.model.allocsim.snapshot import load_allocator_state
+from telemetry.model.allocsim.trace import load_trace
+from telemetry.model.allocsim.whatif import whatif
+from telemetry.model.indexer.forecast import forecast
+from telemetry.model.indexer.shape import IndexerShape
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _worker(out: Path, config: str, *args: str) -> None:
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=config, PYTHONPATH=str(REPO))
     env.pop("PYTORCH_ALLOC_CONF", None)
-    done = subprocess.run([sys.executable, "-m", "harness.allocsim.snapshot_capture", "--out", str(out), *args],
+    done = subprocess.run([sys.executable, "-m", "telemetry.model.allocsim.snapshot_capture", "--out", str(out), *args],
                           env=env, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
 

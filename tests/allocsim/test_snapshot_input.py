@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.allocsim.recorder import RecordingSim
-from harness.allocsim.snapshot import SnapshotError, read_allocator_state
-from harness.allocsim.snapshot_file import SnapshotFileError, parse_snapshot_bytes, read_snapshot_file
+from telemetry.model.allocsim.recorder import RecordingSim
+from telemetry.model.allocsim.snapshot import SnapshotError, read_allocator_state
+from telemetry.model.allocsim.snapshot_file import SnapshotFileError, parse_snapshot_bytes, read_snapshot_file
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTURE = REPO / "tests" / "fixtures" / "allocator-snapshots" / "h200-torch2.11"

@@ -8,16 +8,16 @@ import random
 
 import pytest
 
-from harness.allocsim import CachingAllocatorSim
-from harness.allocsim.config import format_alloc_conf, parse_alloc_conf, same_settings
-from harness.allocsim.recorder import RecordingSim
-from harness.allocsim.snapshot import read_allocator_state, seeded_simulator, settings_alloc_conf
-from harness.allocsim.trace import read_trace
-from harness.allocsim.whatif import OP_EMPTY_CACHE, whatif
-from harness.indexer.forecast import forecast
-from harness.indexer.planner import MODES
-from harness.indexer.prefill import run_prefill
-from harness.indexer.shape import IndexerShape
+from telemetry.model.allocsim import CachingAllocatorSim
+from telemetry.model.allocsim.config import format_alloc_conf, parse_alloc_conf, same_settings
+from telemetry.model.allocsim.recorder import RecordingSim
+from telemetry.model.allocsim.snapshot import read_allocator_state, seeded_simulator, settings_alloc_conf
+from telemetry.model.allocsim.trace import read_trace
+from telemetry.model.allocsim.whatif import OP_EMPTY_CACHE, whatif
+from telemetry.model.indexer.forecast import forecast
+from telemetry.model.indexer.planner import MODES
+from telemetry.model.indexer.prefill import run_prefill
+from telemetry.model.indexer.shape import IndexerShape
 
 MIB = 1024 * 1024
 CONFIGS = ["", "expandable_segments:True", "max_split_size_mb:256,roundup_power2_divisions:4",
@@ -214,7 +214,7 @@ def test_forecast_is_the_launch_loop_on_the_seeded_state(mode, config):
 
 
 def test_forecast_never_calls_the_hook_target(monkeypatch):
-    import harness.indexer.launch as launch
+    import telemetry.model.indexer.launch as launch
 
     def hooked(*args, **kwargs):
         raise AssertionError("the forecast went through the hook target")

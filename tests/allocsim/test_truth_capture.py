@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.allocsim.ops import replay_ops
-from harness.allocsim.truth_capture import CONFIGS, build_cases, config_slug
+from telemetry.model.allocsim.ops import replay_ops
+from telemetry.model.allocsim.truth_capture import CONFIGS, build_cases, config_slug
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "allocator-truth"
 

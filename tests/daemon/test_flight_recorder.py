@@ -313,8 +313,8 @@ def test_a_fresh_scrape_is_recorded_instead_of_collecting_again(tmp_path):
     from prometheus_client.core import GaugeMetricFamily
 
     from telemetry.daemon.config import from_mapping
+    from telemetry.daemon.flight import DaemonFlight
     from telemetry.daemon.registry import DaemonCollectors
-    from telemetry.flight.daemon import DaemonFlight
 
     calls: list[float] = []
 

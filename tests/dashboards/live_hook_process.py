@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import telemetry
-    from harness.allocsim import CachingAllocatorSim
     from telemetry.hook import set_allocator_source
+    from telemetry.model.allocsim import CachingAllocatorSim
 
     simulator = CachingAllocatorSim()
     growing = False

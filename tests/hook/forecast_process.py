@@ -39,7 +39,7 @@ class Sim:
     """The lab's simulator backend: its `snapshot()` takes the backend's lock, as CUDA's takes the allocator's."""
 
     def __init__(self) -> None:
-        from harness.indexer.backends import SimBackend
+        from telemetry.model.indexer.backends import SimBackend
 
         self.inner = SimBackend("")
 
@@ -55,7 +55,7 @@ class Sim:
 
 class Cuda:
     def __init__(self) -> None:
-        from harness.indexer.backends import CudaBackend
+        from telemetry.model.indexer.backends import CudaBackend
 
         self.inner = CudaBackend(0)
         self.torch = self.inner.torch
@@ -83,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import telemetry
-    from harness.allocsim.snapshot import read_allocator_state
-    from harness.indexer.forecast import forecast
-    from harness.indexer.prefill import run_prefill
-    from harness.indexer.shape import REFERENCE_SHAPE
     from telemetry.hook import set_allocator_source
     from telemetry.hook.forecast import set_forecast_workload
     from telemetry.hook.forecast.workload import process_alloc_conf
+    from telemetry.model.allocsim.snapshot import read_allocator_state
+    from telemetry.model.indexer.forecast import forecast
+    from telemetry.model.indexer.prefill import run_prefill
+    from telemetry.model.indexer.shape import REFERENCE_SHAPE
 
     shape = REFERENCE_SHAPE
     backend: Any = Cuda() if args.allocator == "cuda" else Sim()
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.allocator == "sim":
         set_allocator_source(backend.counters, snapshot=backend.snapshot)
     set_forecast_workload(shape, mode=args.mode)   # the allocator settings: the process's environment
-    handle = telemetry.install(["harness.indexer.launch:indexer_logits_launch"], port=args.port, addr="127.0.0.1",
+    handle = telemetry.install(["telemetry.model.indexer.launch:indexer_logits_launch"], port=args.port,
+                               addr="127.0.0.1",
                                forecast_tokens=LENGTHS, forecast_interval_s=1.0)
     url = f"http://127.0.0.1:{args.port}/metrics"
     kept = [backend.alloc(n) for n in RESIDENT]

@@ -23,17 +23,17 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import telemetry
-from harness.allocsim.snapshot import read_allocator_state
-from harness.indexer.backends import SimBackend
-from harness.indexer.forecast import forecast
-from harness.indexer.prefill import LaunchPattern, run_prefill
-from harness.indexer.shape import MIB, REFERENCE_SHAPE, IndexerShape
 from telemetry.errors import ConfigError
 from telemetry.hook import set_allocator_source
 from telemetry.hook.config import HookConfig
 from telemetry.hook.forecast import set_forecast_workload
 from telemetry.hook.forecast.settings import MAX_FORECAST_LENGTHS, MAX_FORECAST_TOKENS, check_interval, check_tokens
 from telemetry.hook.forecast.workload import CONFIG, PROGRAM, REFERENCE, process_alloc_conf, workload_from_text
+from telemetry.model.allocsim.snapshot import read_allocator_state
+from telemetry.model.indexer.backends import SimBackend
+from telemetry.model.indexer.forecast import forecast
+from telemetry.model.indexer.prefill import LaunchPattern, run_prefill
+from telemetry.model.indexer.shape import MIB, REFERENCE_SHAPE, IndexerShape
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE = socket.gethostname()
@@ -121,7 +121,7 @@ def test_the_process_allocator_settings_follow_torchs_precedence():
 # ---- the forecast, live ---------------------------------------------------------------------------
 
 
-TARGET = "harness.indexer.launch:indexer_logits_launch"   # the lab-indexer preset's target
+TARGET = "telemetry.model.indexer.launch:indexer_logits_launch"   # the lab-indexer preset's target
 
 
 @pytest.fixture
@@ -223,7 +223,7 @@ def test_an_unchanged_allocator_is_not_simulated_again(lab_rank, monkeypatch):
     wait_for(lambda: forecaster.results.forecasts, what="the first forecast")
     first = forecaster.results
     simulated = []
-    import harness.indexer.forecast as module
+    import telemetry.model.indexer.forecast as module
 
     real = module.forecast
     monkeypatch.setattr(module, "forecast", lambda *a, **k: simulated.append(a) or real(*a, **k))
@@ -355,9 +355,9 @@ def test_the_workload_is_the_programs_then_the_configs_then_the_reference(lab_ra
 PROCESS = """
 import json, os, sys, threading, time
 import telemetry
-from harness.indexer.backends import SimBackend
-from harness.indexer.prefill import run_prefill
-from harness.indexer.shape import IndexerShape
+from telemetry.model.indexer.backends import SimBackend
+from telemetry.model.indexer.prefill import run_prefill
+from telemetry.model.indexer.shape import IndexerShape
 from telemetry.hook import set_allocator_source
 from telemetry.hook.forecast import set_forecast_workload
 
@@ -365,7 +365,7 @@ backend = SimBackend("")
 set_allocator_source(backend.counters, snapshot=backend.snapshot)
 shape = IndexerShape(layers=2, chunk=1024, max_model_len=16384, logits_budget_bytes=8 << 20)
 set_forecast_workload(shape)
-handle = telemetry.install(["harness.indexer.launch:indexer_logits_launch"], port=None,
+handle = telemetry.install(["telemetry.model.indexer.launch:indexer_logits_launch"], port=None,
                            forecast_tokens=(8000,), forecast_interval_s=1)
 run_prefill(backend, shape, "stock", 1000)
 

@@ -20,7 +20,6 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from harness.indexer.shape import MIB
 from telemetry.hook.forecast.runner import Forecaster
 from telemetry.hook.forecast.vllm_workload import (
     BUDGET_VARIABLE,
@@ -31,6 +30,7 @@ from telemetry.hook.forecast.vllm_workload import (
     read_vllm_workload,
 )
 from telemetry.hook.forecast.workload import VLLM
+from telemetry.model.indexer.shape import MIB
 from tests.support.ports import free_port, free_port_block
 
 INDEXER_MODULE, _, INDEXER_CLASS = INDEXER_CLASSES[0].partition(":")

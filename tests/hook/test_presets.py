@@ -56,7 +56,7 @@ SITES = [(preset, site) for preset, sites in PRESETS.items() if preset.startswit
 def test_presets_cover_the_sparse_indexer_logits():
     targets = {site.target for site in PRESETS["vllm-sparse-indexer"]}
     assert "vllm.model_executor.layers.sparse_attn_indexer:fp8_fp4_mqa_logits" in targets
-    assert PRESETS["lab-indexer"][0].target == "harness.indexer.launch:indexer_logits_launch"
+    assert PRESETS["lab-indexer"][0].target == "telemetry.model.indexer.launch:indexer_logits_launch"
 
 
 @pytest.mark.parametrize("preset, site", SITES, ids=[f"{p}:{s.target}" for p, s in SITES])

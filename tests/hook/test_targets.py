@@ -64,7 +64,7 @@ def test_malformed_target_raises_value_error_showing_the_expected_form(text):
 
 def test_parse_targets_expands_presets_and_rejects_unknown_names():
     names = [t.name for t in parse_targets("lab-indexer, pkg.mod:f ,")]
-    assert names == ["harness.indexer.launch:indexer_logits_launch", "pkg.mod:f"]
+    assert names == ["telemetry.model.indexer.launch:indexer_logits_launch", "pkg.mod:f"]
     with pytest.raises(ValueError, match=r"unknown hook target or preset 'vllm-sparse-indexr'.*vllm-sparse-indexer"):
         parse_targets("vllm-sparse-indexr")
     with pytest.raises(ValueError, match="no hook targets given"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.allocsim import CachingAllocatorSim
-from harness.indexer import launch as indexer
+from telemetry.model.allocsim import CachingAllocatorSim
+from telemetry.model.indexer import launch as indexer
 
 
 def test_simulated_launch_allocates_rows_times_width_float32():
@@ -17,8 +17,8 @@ def test_simulated_launch_allocates_rows_times_width_float32():
 
 
 def test_launch_is_looked_up_at_call_time_so_a_hook_sees_it():
-    from harness.indexer.replay import ArmSpec, ReplayParams, replay
-    from harness.indexer.shape import IndexerShape
+    from telemetry.model.indexer.replay import ArmSpec, ReplayParams, replay
+    from telemetry.model.indexer.shape import IndexerShape
 
     calls = []
     original = indexer.indexer_logits_launch

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.indexer.planner import chunk_steps, launch_width, plan_launches, plan_prefill, split_rows
-from harness.indexer.shape import MIB, IndexerShape, ShapeError
+from telemetry.model.indexer.planner import chunk_steps, launch_width, plan_launches, plan_prefill, split_rows
+from telemetry.model.indexer.shape import MIB, IndexerShape, ShapeError
 
 
 def test_fixed_width_4608_chunk_is_four_launches_from_the_first_chunk():

@@ -15,13 +15,13 @@ import pytest
 from harness.ab.config import Step
 from harness.demo.notes import predict
 from harness.demo.setup import DemoSetup
-from harness.indexer.backends import SimBackend
-from harness.indexer.planner import ChunkStep, Launch, plan_prefill
-from harness.indexer.prefill import LaunchPattern, PrefillObserver, run_prefill
-from harness.indexer.replay import ReplayParams, trace_prefill
-from harness.indexer.shape import MIB, IndexerShape, budget_bytes_from_mib
 from harness.labserver.cli import config_from_args, configure
 from harness.labserver.worker import Rank
+from telemetry.model.indexer.backends import SimBackend
+from telemetry.model.indexer.planner import ChunkStep, Launch, plan_prefill
+from telemetry.model.indexer.prefill import LaunchPattern, PrefillObserver, run_prefill
+from telemetry.model.indexer.replay import ReplayParams, trace_prefill
+from telemetry.model.indexer.shape import MIB, IndexerShape, budget_bytes_from_mib
 
 STEPS = [Step("a", 8192, 1), Step("b", 8192, 2), Step("c", 16384, 3)]
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.indexer.backends import SimBackend
-from harness.indexer.prefill import LaunchPattern
-from harness.indexer.replay import ArmSpec, ReplayParams, replay, summarize, trace_prefill
-from harness.indexer.shape import IndexerShape
 from telemetry.cli import main
+from telemetry.model.indexer.backends import SimBackend
+from telemetry.model.indexer.prefill import LaunchPattern
+from telemetry.model.indexer.replay import ArmSpec, ReplayParams, replay, summarize, trace_prefill
+from telemetry.model.indexer.shape import IndexerShape
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "allocator-truth"
 MIB = 1024 * 1024

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.indexer.prefill import LaunchPattern
-from harness.indexer.replay import ArmSpec, ReplayParams, replay
-from harness.indexer.shape import MIB, IndexerShape
+from telemetry.model.indexer.prefill import LaunchPattern
+from telemetry.model.indexer.replay import ArmSpec, ReplayParams, replay
+from telemetry.model.indexer.shape import MIB, IndexerShape
 
 pytestmark = pytest.mark.gpu
 

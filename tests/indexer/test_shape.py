@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from harness.indexer.shape import (
+from telemetry.errors import ConfigError
+from telemetry.model.indexer.shape import (
     MIB,
     REFERENCE_SHAPE,
     IndexerShape,
@@ -17,7 +18,6 @@ from harness.indexer.shape import (
     shape_arguments,
     shape_from_args,
 )
-from telemetry.errors import ConfigError
 
 
 def test_the_reference_workload():

@@ -13,9 +13,9 @@ import httpx
 import psutil
 import pytest
 
-from harness.indexer.planner import plan_prefill
-from harness.indexer.shape import MIB, REFERENCE_SHAPE, IndexerShape
 from harness.labserver.cost_model import CostModel
+from telemetry.model.indexer.planner import plan_prefill
+from telemetry.model.indexer.shape import MIB, REFERENCE_SHAPE, IndexerShape
 from tests.labserver.conftest import SMALL, LabServer
 from tests.support.prom import metric
 

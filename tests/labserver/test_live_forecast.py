@@ -23,7 +23,7 @@ from tests.support.prom import metric
 SHAPE = ["--layers", "4", "--chunk", "1024", "--max-model-len", "65536", "--budget-mb", "64", "--compress-ratio", "4"]
 LENGTHS = (3000, 9000)
 ENV = {"MEMTEL_FORECAST_TOKENS": ",".join(map(str, LENGTHS)), "MEMTEL_FORECAST_INTERVAL_S": "1"}
-SITE = "harness.indexer.launch:indexer_logits_launch"
+SITE = "telemetry.model.indexer.launch:indexer_logits_launch"
 
 
 def forecast_of(url: str) -> dict[int, tuple[float | None, ...]]:

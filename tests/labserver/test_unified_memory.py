@@ -9,8 +9,8 @@ import httpx
 import psutil
 import pytest
 
-from harness.allocsim import CachingAllocatorSim
 from harness.labserver.unified_memory import HostBacking, parse_percpu_pagesets, read_percpu_pagesets
+from telemetry.model.allocsim import CachingAllocatorSim
 from telemetry.procfs.meminfo import MeminfoReader
 from tests.labserver.conftest import LabServer
 

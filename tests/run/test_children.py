@@ -102,7 +102,8 @@ def test_the_lab_indexer_preset_on_the_simulator_in_spawned_workers(tmp_path, ru
         expected = json.loads((out / f"expected-{pid}.json").read_text())
         assert len(records) == len(expected) == 5
         for record, stats in zip(records, expected, strict=True):
-            assert record["site"] == "harness.indexer.launch:indexer_logits_launch" and record["device"] == "sim"
+            assert record["site"] == "telemetry.model.indexer.launch:indexer_logits_launch"
+            assert record["device"] == "sim"
             assert {k: record[k] for k in stats} == stats
         reserved = [r["reserved_bytes"] for r in records]
         assert reserved == sorted(reserved) and reserved[-1] > reserved[0]   # growing widths: new segments

@@ -1,4 +1,4 @@
-"""The run's order (telemetry/run/order.py) and the rank sources memtel run adds (telemetry/hook/rank.py).
+"""The run's order (telemetry/hook/run_order.py) and the rank sources memtel run adds (telemetry/hook/rank.py).
 
 Processes of one run that start at the same moment take distinct numbers; the counter is a private file
 that is never followed through a symlink; an engine's world group (vLLM's or SGLang's) names the rank.
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from telemetry.hook import rank as rank_module
+from telemetry.hook import run_order as order
 from telemetry.hook.rank import RankInfo, resolve_rank
-from telemetry.run import order
 
 
 @pytest.fixture

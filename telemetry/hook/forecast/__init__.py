@@ -2,7 +2,7 @@
 
 Opt-in (MEMTEL_FORECAST_TOKENS, docs/hook.md "Live forecast"). A daemon thread per process (runner.py) takes
 the allocator's segments every MEMTEL_FORECAST_INTERVAL_S seconds, seeds the caching-allocator simulator
-with them and runs the indexer's prefill of each length (`harness.indexer.forecast.forecast`) with the
+with them and runs the indexer's prefill of each length (`telemetry.model.indexer.forecast.forecast`) with the
 running server's workload (workload.py; vLLM's, read at `Worker.load_model`: vllm_workload.py). The
 collector (collector.py) exports the results. settings.py parses the settings.
 

@@ -8,7 +8,7 @@ exporter. A cycle (`run_once`):
 2. the allocator's segments from the hook's allocator reader (`torch.cuda.memory_snapshot()`, or the
    allocator source's snapshot), none before the first hooked call bound a device;
 3. if they, the workload and the allocator settings are what the last cycle saw, the last forecasts stand;
-   else `harness.indexer.forecast.forecast` for each length, on a simulator seeded with the segments.
+   else `telemetry.model.indexer.forecast.forecast` for each length, on a simulator seeded with the segments.
 
 Never on the hooked call's path, and never raising: a failed cycle is counted by reason (`FAILURE_REASONS`),
 leaves the forecast out until the next success, and is logged at most once a minute. A daemon thread: it never
@@ -29,7 +29,7 @@ from telemetry.hook import allocator
 from telemetry.hook.forecast.workload import REFERENCE, ForecastWorkload, process_alloc_conf, program_workload
 
 if TYPE_CHECKING:
-    from harness.indexer.forecast import Forecast
+    from telemetry.model.indexer.forecast import Forecast
 
 log = logging.getLogger("memtel.hook")
 
@@ -134,8 +134,8 @@ class Forecaster:
         if self._no_indexer is not None or self.waiting_for_model():
             return None
         if self._reference is None:
-            from harness.indexer.shape import REFERENCE_SHAPE
             from telemetry.hook.forecast.workload import make_workload
+            from telemetry.model.indexer.shape import REFERENCE_SHAPE
 
             self._reference = make_workload(REFERENCE_SHAPE, source=REFERENCE)
         return self._reference
@@ -170,9 +170,9 @@ class Forecaster:
                 self.results = replace(self.results, cpu_seconds=self.results.cpu_seconds + time.thread_time() - cpu)
 
     def _cycle(self, started: float) -> bool:
-        from harness.allocsim.config import AllocatorConfigError, parse_alloc_conf
-        from harness.allocsim.snapshot import SnapshotError, read_allocator_state
-        from harness.indexer.forecast import forecast
+        from telemetry.model.allocsim.config import AllocatorConfigError, parse_alloc_conf
+        from telemetry.model.allocsim.snapshot import SnapshotError, read_allocator_state
+        from telemetry.model.indexer.forecast import forecast
 
         workload = self.workload()
         if workload is None:

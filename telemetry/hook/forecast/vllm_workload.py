@@ -82,7 +82,7 @@ def _budget_mib(environ: Mapping[str, str]) -> float:
 def read_vllm_workload(worker: Any, environ: Mapping[str, str] = os.environ) -> ForecastWorkload:
     """The workload of `worker` (vLLM's `Worker`, after `load_model`). NoIndexer if its model has none;
     AttributeError / ConfigError where this vLLM keeps its configuration elsewhere."""
-    from harness.indexer.shape import IndexerShape, budget_bytes_from_mib
+    from telemetry.model.indexer.shape import IndexerShape, budget_bytes_from_mib
 
     config = worker.vllm_config
     chunk = int(config.scheduler_config.max_num_batched_tokens)

@@ -1,6 +1,6 @@
 """What the live forecast simulates: the running server's indexer workload, and where it came from.
 
-A `ForecastWorkload` is an `IndexerShape` (harness/indexer/shape.py) with the width mode, the launch
+A `ForecastWorkload` is an `IndexerShape` (telemetry/model/indexer/shape.py) with the width mode, the launch
 pattern, the allocator settings and its source, one of:
 
 - `program`: the program said so with `set_forecast_workload` (the lab server's ranks do);
@@ -23,8 +23,8 @@ from telemetry.errors import ConfigError
 from telemetry.hook.forecast.settings import parse_shape_pairs
 
 if TYPE_CHECKING:
-    from harness.indexer.prefill import LaunchPattern
-    from harness.indexer.shape import IndexerShape
+    from telemetry.model.indexer.prefill import LaunchPattern
+    from telemetry.model.indexer.shape import IndexerShape
 
 PROGRAM = "program"
 VLLM = "vllm"
@@ -53,7 +53,7 @@ class ForecastWorkload:
     """The indexer workload of the running server, as the forecast simulates it.
 
     shape: the indexer's shape; mode: "stock" or "fixed"; pattern: the launch loop's pattern
-    (`harness.indexer.prefill.LaunchPattern`; None: the default, the previous logits kept alive);
+    (`telemetry.model.indexer.prefill.LaunchPattern`; None: the default, the previous logits kept alive);
     alloc_conf: the allocator settings to simulate (None: the process's, `process_alloc_conf()`, at each run);
     source: one of SOURCES; details: more of what was read, for the log and the info metric (e.g. top-k).
     """
@@ -90,15 +90,16 @@ class ForecastWorkload:
 def make_workload(shape: Any, *, mode: str = "stock", source: str = PROGRAM, pattern: Any = None,
                   alloc_conf: str | None = None, details: tuple[tuple[str, str], ...] = ()) -> ForecastWorkload:
     """A checked workload: ConfigError names what is wrong."""
-    from harness.allocsim.config import parse_alloc_conf
-    from harness.indexer.planner import check_mode
-    from harness.indexer.prefill import LaunchPattern
-    from harness.indexer.shape import IndexerShape
+    from telemetry.model.allocsim.config import parse_alloc_conf
+    from telemetry.model.indexer.planner import check_mode
+    from telemetry.model.indexer.prefill import LaunchPattern
+    from telemetry.model.indexer.shape import IndexerShape
 
     if not isinstance(shape, IndexerShape):
-        raise ConfigError(f"the forecast's shape must be a harness.indexer.shape.IndexerShape, got {shape!r}")
+        raise ConfigError(f"the forecast's shape must be a telemetry.model.indexer.shape.IndexerShape, got {shape!r}")
     if pattern is not None and not isinstance(pattern, LaunchPattern):
-        raise ConfigError(f"the forecast's pattern must be a harness.indexer.prefill.LaunchPattern, got {pattern!r}")
+        raise ConfigError("the forecast's pattern must be a telemetry.model.indexer.prefill.LaunchPattern, "
+                          f"got {pattern!r}")
     if source not in SOURCES:
         raise ConfigError(f"forecast workload source must be one of {', '.join(SOURCES)}, got {source!r}")
     if alloc_conf is not None:
@@ -108,7 +109,7 @@ def make_workload(shape: Any, *, mode: str = "stock", source: str = PROGRAM, pat
 
 def workload_from_text(text: str, name: str = "MEMTEL_FORECAST_SHAPE") -> ForecastWorkload:
     """MEMTEL_FORECAST_SHAPE's `key=value,...` (settings.SHAPE_KEYS) over the reference workload."""
-    from harness.indexer.shape import REFERENCE_SHAPE, IndexerShape, budget_bytes_from_mib
+    from telemetry.model.indexer.shape import REFERENCE_SHAPE, IndexerShape, budget_bytes_from_mib
 
     pairs = parse_shape_pairs(text, name)
     values: dict[str, Any] = REFERENCE_SHAPE.as_dict()
@@ -138,8 +139,8 @@ def set_forecast_workload(shape: Any, *, mode: str = "stock", pattern: Any = Non
                           alloc_conf: str | None = None) -> None:
     """Tell the live forecast the indexer workload of this program (source `program`); None clears it.
 
-    shape: a `harness.indexer.shape.IndexerShape`; mode: "stock" or "fixed"; pattern: the launch loop's
-    `harness.indexer.prefill.LaunchPattern` (None: the default); alloc_conf: the allocator settings to
+    shape: a `telemetry.model.indexer.shape.IndexerShape`; mode: "stock" or "fixed"; pattern: the launch loop's
+    `telemetry.model.indexer.prefill.LaunchPattern` (None: the default); alloc_conf: the allocator settings to
     simulate in PYTORCH_CUDA_ALLOC_CONF syntax (None: the process's environment). Raises ConfigError.
     """
     global _program_workload

@@ -14,9 +14,9 @@ ROWS = 256
 
 
 def worker(out: str) -> None:
-    from harness.allocsim.simulator import CachingAllocatorSim
-    from harness.indexer import launch
     from telemetry.hook import set_allocator_source
+    from telemetry.model.allocsim.simulator import CachingAllocatorSim
+    from telemetry.model.indexer import launch
 
     simulator = CachingAllocatorSim()
     set_allocator_source(simulator.stats)

@@ -2,7 +2,7 @@
 
 Run on a machine with a GPU (torch with CUDA):
 
-    PYTHONPATH=. python3 -m harness.allocsim.snapshot_capture --out DIR
+    PYTHONPATH=. python3 -m telemetry.model.allocsim.snapshot_capture --out DIR
 
 Two kinds of capture, each process with its own `PYTORCH_CUDA_ALLOC_CONF` (read once per process):
 
@@ -60,7 +60,7 @@ DRY_WORKLOAD = {"hidden": 64, "heads": 4, "layers": 2, "chunk": 256, "ratio": 4,
 
 
 def slug(config: str) -> str:
-    from harness.allocsim.truth_capture import config_slug
+    from telemetry.model.allocsim.truth_capture import config_slug
 
     return config_slug(config)
 
@@ -69,8 +69,8 @@ def slug(config: str) -> str:
 
 
 def prefill_ops(mode: str, tokens: int, chunk: int, layers: int, max_model_len: int = 204_800) -> list[list[Any]]:
-    """The launch loop's ops for one prefill (harness.indexer.prefill.run_prefill)."""
-    from harness.allocsim.truth_capture import indexer_case
+    """The launch loop's ops for one prefill (telemetry.model.indexer.prefill.run_prefill)."""
+    from telemetry.model.allocsim.truth_capture import indexer_case
 
     return indexer_case(mode, tokens=tokens, chunk=chunk, layers=layers, max_model_len=max_model_len)
 
@@ -138,7 +138,7 @@ class SimAllocator:
     """Dry run: the simulator stands in for the CUDA allocator (same files, simulated numbers)."""
 
     def __init__(self, config: str) -> None:
-        from harness.allocsim.recorder import RecordingSim
+        from telemetry.model.allocsim.recorder import RecordingSim
 
         self.rec = RecordingSim(config)
         self.first = self.rec.malloc(1)  # dropped at once, as the CUDA path's first tensor
@@ -165,14 +165,14 @@ class SimAllocator:
         return doc
 
     def describe(self) -> dict[str, Any]:
-        from harness.allocsim.simulator import DEFAULT_TOTAL_MEMORY
+        from telemetry.model.allocsim.simulator import DEFAULT_TOTAL_MEMORY
 
         return {"torch": "dry run (simulator)", "device": "simulator", "total_memory": DEFAULT_TOTAL_MEMORY}
 
 
 def _readable(path: Path) -> str | None:
     """None if memtel's own reader takes the file (no code runs), else why not: checked where it was made."""
-    from harness.allocsim.snapshot_file import read_snapshot_file
+    from telemetry.model.allocsim.snapshot_file import read_snapshot_file
 
     try:
         read_snapshot_file(path)
@@ -326,7 +326,7 @@ def whatif_worker(kind: str, config: str, out: Path, params: dict[str, Any], fra
         torch.cuda.memory._record_memory_history(enabled=None)
         readable = _readable(out / f"{name}.pickle.gz")
     elif dry_run and kind in ("recorded", "ring"):
-        from harness.allocsim.recorder import RecordingSim
+        from telemetry.model.allocsim.recorder import RecordingSim
 
         rec = RecordingSim(config)
         for _ in params["seqs"]:
@@ -342,9 +342,9 @@ def whatif_worker(kind: str, config: str, out: Path, params: dict[str, Any], fra
 
 def timing_worker(out: Path, dry_run: bool) -> None:
     """What a forecast costs in a process holding many segments: snapshot, read, seed and simulate."""
-    from harness.allocsim.snapshot import read_allocator_state
-    from harness.indexer.forecast import forecast
-    from harness.indexer.shape import REFERENCE_SHAPE
+    from telemetry.model.allocsim.snapshot import read_allocator_state
+    from telemetry.model.indexer.forecast import forecast
+    from telemetry.model.indexer.shape import REFERENCE_SHAPE
 
     allocator: Any = SimAllocator("") if dry_run else CudaAllocator()
     rng = random.Random(9)
@@ -383,7 +383,7 @@ def _run(args: list[str], config: str, log: list[str]) -> bool:
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=config)
     env.pop("PYTORCH_ALLOC_CONF", None)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "harness.allocsim.snapshot_capture", *args], env=env,
+    done = subprocess.run([sys.executable, "-m", "telemetry.model.allocsim.snapshot_capture", *args], env=env,
                           capture_output=True, text=True, check=False)
     took = time.perf_counter() - started
     line = f"{'ok' if done.returncode == 0 else 'FAILED'} {args[1:]} {config!r} {took:.1f}s"

@@ -1,7 +1,7 @@
 """Forecast the next prefill from a live allocator: `forecast()` and `memtel forecast`.
 
 A simulator is seeded with a process's real allocator state (a `torch.cuda.memory_snapshot()`,
-harness/allocsim/snapshot.py) and runs the indexer's launch loop (`harness.indexer.prefill.run_prefill`)
+telemetry/model/allocsim/snapshot.py) and runs the indexer's launch loop (`telemetry.model.indexer.prefill.run_prefill`)
 for a prefill of N tokens: the answer is how many bytes the allocator would add (reserved growth),
 its peak, the cudaMallocs, and the chunk steps where the growth happens. The snapshot's live blocks
 stay live, its cached free blocks are reused, and new segments continue from the real addresses.
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.allocsim.simulator import CachingAllocatorSim, SimulatedOutOfMemoryError
-from harness.allocsim.snapshot import AllocatorState, seeded_simulator
-from harness.indexer.planner import MODES, ChunkStep, Launch, Mode, check_mode
-from harness.indexer.prefill import LaunchPattern, PrefillObserver, run_prefill
-from harness.indexer.shape import FLOAT32_BYTES, MIB, IndexerShape
 from telemetry.allocator_counters import AllocatorCounters
 from telemetry.errors import ConfigError
+from telemetry.model.allocsim.simulator import CachingAllocatorSim, SimulatedOutOfMemoryError
+from telemetry.model.allocsim.snapshot import AllocatorState, seeded_simulator
+from telemetry.model.indexer.planner import MODES, ChunkStep, Launch, Mode, check_mode
+from telemetry.model.indexer.prefill import LaunchPattern, PrefillObserver, run_prefill
+from telemetry.model.indexer.shape import FLOAT32_BYTES, MIB, IndexerShape
 
 
 @dataclass(frozen=True)
@@ -168,8 +168,8 @@ def forecast(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: M
 
 
 def _token_list(text: str) -> list[int]:
-    from harness.argtypes import shown
-    from harness.limits import MAX_FORECAST_TOKEN_COUNTS, MAX_PREFILL_TOKENS
+    from telemetry.argtypes import shown
+    from telemetry.limits import MAX_FORECAST_TOKEN_COUNTS, MAX_PREFILL_TOKENS
 
     expected = (f"positive token counts separated by commas (at most {MAX_FORECAST_TOKEN_COUNTS}, each at most "
                 f"{MAX_PREFILL_TOKENS:,}), got {shown(text)}")
@@ -186,10 +186,10 @@ def _token_list(text: str) -> list[int]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from harness.allocsim.cli import add_snapshot_arguments
-    from harness.argtypes import bounded_float
-    from harness.indexer.shape import add_shape_arguments
-    from harness.limits import MAX_CAPACITY_GIB, MAX_TRANSIENT_MIB
+    from telemetry.argtypes import bounded_float
+    from telemetry.limits import MAX_CAPACITY_GIB, MAX_TRANSIENT_MIB
+    from telemetry.model.allocsim.cli import add_snapshot_arguments
+    from telemetry.model.indexer.shape import add_shape_arguments
 
     parser.add_argument("--snapshot", type=Path, required=True, metavar="SNAP",
                         help="the process's allocator state: torch.cuda.memory_snapshot() saved as JSON, or a "
@@ -242,10 +242,10 @@ def format_table(state: AllocatorState, shape: IndexerShape, results: list[Forec
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.allocsim.cli import GIB, max_file_bytes, write_stdout
-    from harness.allocsim.config import parse_alloc_conf
-    from harness.allocsim.snapshot import load_allocator_state
-    from harness.indexer.shape import shape_from_args
+    from telemetry.model.allocsim.cli import GIB, max_file_bytes, write_stdout
+    from telemetry.model.allocsim.config import parse_alloc_conf
+    from telemetry.model.allocsim.snapshot import load_allocator_state
+    from telemetry.model.indexer.shape import shape_from_args
 
     try:
         shape = shape_from_args(args)

@@ -5,7 +5,7 @@ TRACE is the pickle `torch.cuda.memory._dump_snapshot()` writes after
 gzip-compressed. Prints one table (or `--json`): per setting the peak and final reserved bytes, the
 cudaMallocs, and the counters at every `snapshot` event of the trace; says whether the replay under
 the recorded settings reproduces the trace's own device calls exactly, and whether the trace is
-complete. See harness/allocsim/whatif.py for the rules.
+complete. See telemetry/model/allocsim/whatif.py for the rules.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import json
 import sys
 from pathlib import Path
 
-from harness.allocsim.cli import GIB, add_snapshot_arguments, max_file_bytes, write_stdout
-from harness.allocsim.config import parse_alloc_conf
-from harness.argtypes import bounded_float
-from harness.limits import MAX_CAPACITY_GIB
+from telemetry.argtypes import bounded_float
 from telemetry.errors import ConfigError
+from telemetry.limits import MAX_CAPACITY_GIB
+from telemetry.model.allocsim.cli import GIB, add_snapshot_arguments, max_file_bytes, write_stdout
+from telemetry.model.allocsim.config import parse_alloc_conf
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +38,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.allocsim.trace import load_trace
-    from harness.allocsim.whatif import format_table, whatif, write_plot
+    from telemetry.model.allocsim.trace import load_trace
+    from telemetry.model.allocsim.whatif import format_table, whatif, write_plot
 
     try:
         for config in args.config:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.indexer.backends import LaunchBackend
-from harness.indexer.planner import ChunkStep, Launch, Mode, plan_prefill
-from harness.indexer.shape import FLOAT32_BYTES, IndexerShape
+from telemetry.model.indexer.backends import LaunchBackend
+from telemetry.model.indexer.planner import ChunkStep, Launch, Mode, plan_prefill
+from telemetry.model.indexer.shape import FLOAT32_BYTES, IndexerShape
 
 INT64_BYTES = 8
 Op = list[object]  # ["malloc", id, nbytes] or ["free", id]: one op of the allocator-truth format
@@ -38,7 +38,7 @@ class LaunchPattern:
     row_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        from harness.indexer.shape import ShapeError
+        from telemetry.model.indexer.shape import ShapeError
 
         if self.transient_bytes < 0:
             raise ShapeError(f"transient_bytes must be >= 0, got {self.transient_bytes}")

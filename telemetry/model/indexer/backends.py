@@ -1,7 +1,7 @@
 """Where a prefill's launches allocate: one protocol, a simulator and a CUDA implementation.
 
-`LaunchBackend` is what the launch loop (`harness.indexer.prefill.run_prefill`) needs: make a logits
-launch through the hook target `harness.indexer.launch:indexer_logits_launch`, allocate and release
+`LaunchBackend` is what the launch loop (`telemetry.model.indexer.prefill.run_prefill`) needs: make a logits
+launch through the hook target `telemetry.model.indexer.launch:indexer_logits_launch`, allocate and release
 other tensors, and read the allocator's counters as `AllocatorCounters`. `memtel replay`, the demo's
 prediction, the truth capture and the lab server's ranks all use these two implementations.
 
@@ -14,9 +14,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from harness.indexer import launch as indexer
 from telemetry.allocator_counters import AllocatorCounters, read_cuda_counters
 from telemetry.errors import ConfigError, RunError
+from telemetry.model.indexer import launch as indexer
 
 SegmentHook = Callable[[object, int], None]
 
@@ -92,7 +92,7 @@ class SimBackend:
 
     def __init__(self, alloc_conf: str = "", *, mempool: bool = False, capacity_bytes: int | None = None,
                  on_segment_map: SegmentHook | None = None, on_segment_unmap: SegmentHook | None = None) -> None:
-        from harness.allocsim import CachingAllocatorSim, DriverAddressSpace
+        from telemetry.model.allocsim import CachingAllocatorSim, DriverAddressSpace
 
         driver = DriverAddressSpace()  # one process: both pools' segments come from one driver
 

@@ -1,7 +1,7 @@
 """One logits launch of the sparse indexer, on a real CUDA device or on the allocator simulator.
 
-`indexer_logits_launch` is the hook target `harness.indexer.launch:indexer_logits_launch` (preset
-`lab-indexer`): the launch loop's backends (harness/indexer/backends.py) call it through the module
+`indexer_logits_launch` is the hook target `telemetry.model.indexer.launch:indexer_logits_launch` (preset
+`lab-indexer`): the launch loop's backends (telemetry/model/indexer/backends.py) call it through the module
 attribute, at call time, once per launch, so an installed hook sees every launch. Keep it a plain
 module-level function. torch is imported only when a CUDA device is used.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.indexer.shape import FLOAT32_BYTES
+from telemetry.model.indexer.shape import FLOAT32_BYTES
 
 
 def _is_simulator(device: Any) -> bool:

@@ -18,8 +18,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from harness import limits
-from harness.argtypes import bounded_int
+from telemetry import limits
+from telemetry.argtypes import bounded_int
 from telemetry.errors import ConfigError
 
 FLOAT32_BYTES = 4
@@ -30,7 +30,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# The largest value of each field (harness/limits.py; docs/lab.md "Limits").
+# The largest value of each field (telemetry/limits.py; docs/lab.md "Limits").
 SHAPE_MAXIMA = {"layers": limits.MAX_LAYERS, "chunk": limits.MAX_MODEL_LEN, "compress_ratio": limits.MAX_COMPRESS_RATIO,
                 "max_model_len": limits.MAX_MODEL_LEN}
 MAX_BUDGET_BYTES = int(limits.MAX_BUDGET_MIB * MIB)

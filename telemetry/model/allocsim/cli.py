@@ -7,7 +7,7 @@ message naming the case, the op index and the problem.
 
 `--from-snapshot SNAP` starts every case from a live allocator's state instead of an empty one
 (`torch.cuda.memory_snapshot()` saved as JSON, or a `torch.cuda.memory._dump_snapshot()` pickle,
-read without running any code in it; harness/allocsim/snapshot.py): the rows are then relative to
+read without running any code in it; telemetry/model/allocsim/snapshot.py): the rows are then relative to
 the snapshot's reserved and allocated bytes.
 """
 
@@ -19,11 +19,11 @@ import os
 import sys
 from pathlib import Path
 
-from harness.allocsim.ops import OpFileError, first_mismatch, load_op_file, parse_op_json, replay_cases
-from harness.allocsim.snapshot_file import DEFAULT_MAX_BYTES
-from harness.argtypes import bounded_float, bounded_int
-from harness.limits import MAX_CAPACITY_GIB, MAX_OP_FILE_BYTES
+from telemetry.argtypes import bounded_float, bounded_int
 from telemetry.errors import ConfigError
+from telemetry.limits import MAX_CAPACITY_GIB, MAX_OP_FILE_BYTES
+from telemetry.model.allocsim.ops import OpFileError, first_mismatch, load_op_file, parse_op_json, replay_cases
+from telemetry.model.allocsim.snapshot_file import DEFAULT_MAX_BYTES
 
 MAX_FILE_GIB = 1024.0  # --max-file-gb: the file is read into memory
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             raise OpFileError(f"--capacity-gb must be >= 0, got {args.capacity_gb}")
         start = None
         if args.from_snapshot is not None:
-            from harness.allocsim.snapshot import load_allocator_state
+            from telemetry.model.allocsim.snapshot import load_allocator_state
 
             start = load_allocator_state(args.from_snapshot, device=args.device, max_bytes=max_file_bytes(args))
             config = data.get("config") or "" if isinstance(data, dict) else ""

@@ -1,6 +1,6 @@
 """`memtel replay`: the sparse indexer's logits allocations alone, on CUDA or on the simulator.
 
-A prefill of `--tokens` runs through the one launch loop (`harness.indexer.prefill.run_prefill`) once
+A prefill of `--tokens` runs through the one launch loop (`telemetry.model.indexer.prefill.run_prefill`) once
 per arm. An arm (`MODE[+mempool][@ALLOC_CONF]`) is a width mode, optionally with its own allocator
 settings and a private memory pool for the logits. Every arm starts from an empty allocator: on CUDA
 each arm runs in its own process, because PyTorch reads `PYTORCH_CUDA_ALLOC_CONF` once per process.
@@ -18,14 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import limits
-from harness.argtypes import bounded_float, bounded_int
-from harness.indexer.backends import ALLOCATORS, CudaBackend, LaunchBackend, SimBackend, cuda_available
-from harness.indexer.planner import MODES, ChunkStep, Launch, Mode, check_mode, launch_count, plan_prefill
-from harness.indexer.prefill import LaunchPattern, Op, PrefillObserver, run_prefill
-from harness.indexer.shape import MIB, REFERENCE_SHAPE, IndexerShape, add_shape_arguments, shape_from_args
+from telemetry import limits
 from telemetry.allocator_counters import AllocatorCounters
+from telemetry.argtypes import bounded_float, bounded_int
 from telemetry.errors import ConfigError, RunError
+from telemetry.model.indexer.backends import ALLOCATORS, CudaBackend, LaunchBackend, SimBackend, cuda_available
+from telemetry.model.indexer.planner import MODES, ChunkStep, Launch, Mode, check_mode, launch_count, plan_prefill
+from telemetry.model.indexer.prefill import LaunchPattern, Op, PrefillObserver, run_prefill
+from telemetry.model.indexer.shape import MIB, REFERENCE_SHAPE, IndexerShape, add_shape_arguments, shape_from_args
 
 DEFAULT_TOKENS = 98_304  # the prefill of the H200 truth (tests/fixtures/allocator-truth/replay98k-*)
 
@@ -56,7 +56,7 @@ class ArmSpec:
         if extra not in ("", "mempool"):
             raise ConfigError(f"arm {text!r}: unknown modifier {extra!r}; the only one is +mempool")
         merged = ",".join(part for part in (base_conf.strip(), conf.strip()) if part)
-        from harness.allocsim.config import parse_alloc_conf
+        from telemetry.model.allocsim.config import parse_alloc_conf
 
         try:
             parse_alloc_conf(merged)  # fail early, naming the bad setting
@@ -296,7 +296,7 @@ def run_cuda_arm(params: ReplayParams, arm: ArmSpec, device: str = "cuda") -> Ar
     env["PYTORCH_CUDA_ALLOC_CONF"] = arm.alloc_conf
     env.pop("PYTORCH_ALLOC_CONF", None)
     request = json.dumps({"params": params.to_json(), "arm": asdict(arm), "device": device})
-    done = subprocess.run([sys.executable, "-m", "harness.indexer.replay", "--cuda-worker"], input=request,
+    done = subprocess.run([sys.executable, "-m", "telemetry.model.indexer.replay", "--cuda-worker"], input=request,
                           capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise RunError(f"cuda arm {arm.name} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -444,7 +444,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.allocsim.simulator import SimulatedOutOfMemoryError
+    from telemetry.model.allocsim.simulator import SimulatedOutOfMemoryError
 
     if args.cuda_worker:
         return _cuda_worker()

@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.limits import MAX_OP_FILE_BYTES
 from telemetry.errors import ConfigError
+from telemetry.limits import MAX_OP_FILE_BYTES
 
 from .config import AllocatorConfigError, parse_alloc_conf
 from .driver_va import DriverAddressSpace

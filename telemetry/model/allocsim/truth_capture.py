@@ -2,7 +2,7 @@
 
 Run on a machine with a GPU (torch with CUDA):
 
-    PYTHONPATH=. python3 -m harness.allocsim.truth_capture --out DIR
+    PYTHONPATH=. python3 -m telemetry.model.allocsim.truth_capture --out DIR
 
 For every allocator config it starts one process with `PYTORCH_CUDA_ALLOC_CONF` set (PyTorch reads
 the setting once per process) and writes `DIR/<gpu>-torch<version>-<config>.json` in the shared
@@ -121,10 +121,10 @@ def small_segments_case() -> list[list[Any]]:
 def indexer_case(mode: str, *, tokens: int, chunk: int, layers: int, topk: int = 0, transient_mb: float = 0.0,
                  keep_previous: bool = True, max_model_len: int = 204_800) -> list[list[Any]]:
     """The launch loop's op sequence for one arm (`memtel replay`'s `arm_ops`: the one loop, run_prefill)."""
-    from harness.indexer.planner import check_mode
-    from harness.indexer.prefill import LaunchPattern
-    from harness.indexer.replay import ArmSpec, ReplayParams, arm_ops
-    from harness.indexer.shape import IndexerShape
+    from telemetry.model.indexer.planner import check_mode
+    from telemetry.model.indexer.prefill import LaunchPattern
+    from telemetry.model.indexer.replay import ArmSpec, ReplayParams, arm_ops
+    from telemetry.model.indexer.shape import IndexerShape
 
     shape = IndexerShape(layers=layers, chunk=chunk, max_model_len=max_model_len, topk=topk)
     pattern = LaunchPattern(keep_previous=keep_previous, transient_bytes=int(transient_mb * MIB))
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / f"h200-torch-{config_slug(config)}.json"
         started = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "harness.allocsim.truth_capture", "--out", str(args.out), "--worker",
+            [sys.executable, "-m", "telemetry.model.allocsim.truth_capture", "--out", str(args.out), "--worker",
              "--file", str(path)]
             + (["--addresses"] if args.addresses else []),
             env=env,

@@ -30,7 +30,7 @@ MAX_ENV_VARS = 1_024  # serve.env entries
 MAX_ARG_CHARS = 128 * 1024  # one argument or environment value (Linux's MAX_ARG_STRLEN)
 MAX_COMMAND_ARGS = 4_096  # serve.command entries
 
-# --- the indexer's workload (harness/indexer) and the lab --------------------------------------------
+# --- the indexer's workload (telemetry/model/indexer) and the lab --------------------------------------------
 MAX_LAYERS = 1_024
 MAX_MODEL_LEN = 16 * MIB  # 16,777,216 tokens: max_model_len, chunk, fixed_width
 MAX_COMPRESS_RATIO = 1_024

@@ -2,7 +2,7 @@
 
 Numbers are finite (NaN and infinity are refused: `float("nan") >= 0` is False but `inf >= 0` is True,
 and either fails later, after something started), integers are ASCII digits (Python's `int` reads
-"１２" too) and every type can carry an upper bound (harness/limits.py), so a flag cannot ask for a
+"１２" too) and every type can carry an upper bound (telemetry/limits.py), so a flag cannot ask for a
 structure larger than the machine. A bad value is one line naming the flag (telemetry/cli.py).
 """
 

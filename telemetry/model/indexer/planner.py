@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from harness.indexer.shape import FLOAT32_BYTES, IndexerShape, ShapeError
+from telemetry.model.indexer.shape import FLOAT32_BYTES, IndexerShape, ShapeError
 
 Mode = Literal["stock", "fixed"]
 MODES: tuple[Mode, ...] = ("stock", "fixed")
