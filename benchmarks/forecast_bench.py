@@ -41,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import cpu_model
 
 ROWS, WIDTH = 64, 4096
-# The hooked-call part's variants: no forecast; the forecast thread; the same thread without its GIL yields.
-VARIANTS = ("off", "on", "on_no_yield")
+# The hooked-call part's variants: no forecast; the forecast thread with the longest-prefill search, simulating in
+# its helper process; the same thread simulating in this process (as before the helper).
+VARIANTS = ("off", "on", "in_process")
+SEARCH_HEADROOM = 16 << 30   # the node headroom the hooked-call part's fit budget is read from (the search's limit)
 MiB = 1 << 20
 
 
@@ -116,8 +118,12 @@ def timed(fn: Any) -> tuple[Any, float, float]:
     return value, (time.thread_time() - cpu) * 1e3, (time.perf_counter() - wall) * 1e3
 
 
-def cost(kind: str, segments: list[int], tokens: list[int], repeats: int) -> list[dict]:
+def cost(kind: str, segments: list[int], tokens: list[int], repeats: int, fit_budget: int) -> list[dict]:
+    import marshal
+
+    from telemetry.hook.forecast.helper import BATCH_SEGMENTS
     from telemetry.model.allocsim.snapshot import read_allocator_state
+    from telemetry.model.indexer.fit import max_prefill_tokens
     from telemetry.model.indexer.forecast import forecast
     from telemetry.model.indexer.shape import REFERENCE_SHAPE
 
@@ -137,6 +143,13 @@ def cost(kind: str, segments: list[int], tokens: list[int], repeats: int) -> lis
                 result, cpu, wall = timed(lambda n=n, state=state: forecast(state, REFERENCE_SHAPE, n, alloc_conf=""))
                 parts.setdefault(f"forecast {n}", []).append((cpu, wall))
                 growth[n] = result.reserved_growth_bytes
+            limit = state.counters.allocated_bytes + fit_budget
+            fit, cpu, wall = timed(lambda state=state, limit=limit: max_prefill_tokens(
+                state, REFERENCE_SHAPE, limit_bytes=limit, alloc_conf=""))
+            parts.setdefault("search", []).append((cpu, wall))
+            _, cpu, wall = timed(lambda doc=doc: [marshal.dumps(doc[i:i + BATCH_SEGMENTS])
+                                                  for i in range(0, len(doc), BATCH_SEGMENTS)])
+            parts.setdefault("encode", []).append((cpu, wall))
         median = {name: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v))
                   for name, v in parts.items()}
         row = {"segments": len(state.segments) + len(state.private_segments), "live_blocks": state.live_blocks(),
@@ -144,26 +157,36 @@ def cost(kind: str, segments: list[int], tokens: list[int], repeats: int) -> lis
                **{f"{name} cpu_ms": round(c, 3) for name, (c, _) in median.items()},
                **{f"{name} wall_ms": round(w, 3) for name, (_, w) in median.items()},
                "cycle_cpu_ms": round(sum(c for c, _ in median.values()), 3),
-               "growth_mib": {n: g / MiB for n, g in growth.items()}}
+               # What stays in the serving process with the helper: the snapshot and its encoding.
+               "serving_cpu_ms": round(median["snapshot"][0] + median["encode"][0], 3),
+               "growth_mib": {n: g / MiB for n, g in growth.items()},
+               "fit_budget_mib": fit_budget / MiB, "max_prefill_tokens": fit.tokens, "search_runs": fit.simulations}
         rows.append(row)
         print(f"{row['segments']:>6} segments ({row['live_blocks']} live blocks, {row['reserved_mib']:,.0f} MiB): "
               f"snapshot {median['snapshot'][0]:.2f} ms, read {median['read'][0]:.2f} ms, "
               + ", ".join(f"{n:,} tokens {median[f'forecast {n}'][0]:.1f} ms" for n in tokens)
-              + f"; cycle {row['cycle_cpu_ms']:.1f} ms CPU", flush=True)
+              + f", search {median['search'][0]:.1f} ms ({fit.simulations} prefills, answer {fit.tokens:,} tokens in "
+              f"{fit_budget / MiB:,.0f} MiB), encode {median['encode'][0]:.2f} ms; cycle {row['cycle_cpu_ms']:.1f} ms "
+              f"CPU, {row['serving_cpu_ms']:.2f} ms of it in the serving process", flush=True)
     return rows
 
 
-def hooked_child(kind: str, forecast_on: bool, segments: int, tokens: list[int], seconds: float,
+def hooked_child(kind: str, variant: str, segments: int, tokens: list[int], seconds: float,
                  interval: float) -> dict:
+    forecast_on = variant != "off"
     import telemetry
     from telemetry.hook import set_allocator_source
     from telemetry.hook.forecast import set_forecast_workload
+    from telemetry.hook.forecast.budget import set_forecast_budget
     from telemetry.model.indexer.shape import REFERENCE_SHAPE
 
     allocator = Allocator(kind)
     allocator.fill(segments)
     if kind == "sim":
         set_allocator_source(allocator.counters, snapshot=allocator.snapshot)
+    # A fixed node headroom for the fit budget on both allocators (a whole H200's free memory would let the search
+    # stop after one simulated prefill): the search does the work it does on a node with 16 GiB to spare.
+    set_forecast_budget(lambda: SEARCH_HEADROOM, reserve_mib=0)
     set_forecast_workload(REFERENCE_SHAPE, alloc_conf="")
     options: dict[str, Any] = {"forecast_tokens": tuple(tokens), "forecast_interval_s": interval} if forecast_on else {}
     handle = telemetry.install(["telemetry.model.indexer.launch:indexer_logits_launch"], port=None, **options)
@@ -171,7 +194,9 @@ def hooked_child(kind: str, forecast_on: bool, segments: int, tokens: list[int],
         allocator.launch()
     forecaster = handle.forecaster
     if forecaster is not None:
-        deadline = time.monotonic() + 60
+        if variant == "in_process":
+            forecaster._helper = None
+        deadline = time.monotonic() + 120
         while not forecaster.results.forecasts and time.monotonic() < deadline:
             time.sleep(0.05)
         # Every cycle simulates: the shortcut for an unchanged allocator is cleared before each (the worst case).
@@ -183,6 +208,8 @@ def hooked_child(kind: str, forecast_on: bool, segments: int, tokens: list[int],
 
         forecaster.run_once = simulate_every_cycle  # type: ignore[method-assign]
     before = forecaster.results.cpu_seconds if forecaster else 0.0
+    helper_before = forecaster.results.helper_cpu_seconds if forecaster else 0.0
+    cycles_before = forecaster.results.last_success_s if forecaster else None
     clock = time.perf_counter_ns
     samples = []
     started = clock()
@@ -197,6 +224,9 @@ def hooked_child(kind: str, forecast_on: bool, segments: int, tokens: list[int],
     if kind == "cuda":
         allocator.backend.finish()
     thread_cpu = (forecaster.results.cpu_seconds - before) if forecaster else 0.0
+    helper_cpu = (forecaster.results.helper_cpu_seconds - helper_before) if forecaster else 0.0
+    fit = forecaster.results.max_fit if forecaster else None
+    advanced = forecaster is not None and forecaster.results.last_success_s != cycles_before
     handle.uninstall()
     samples.sort()
 
@@ -205,7 +235,8 @@ def hooked_child(kind: str, forecast_on: bool, segments: int, tokens: list[int],
 
     return {"forecast": forecast_on, "calls": len(samples), "seconds": seconds, "p50_us": at(0.5), "p99_us": at(0.99),
             "p999_us": at(0.999), "max_us": samples[-1] / 1e3, "mean_us": sum(samples) / len(samples) / 1e3,
-            "forecast_cpu_s_during": thread_cpu}
+            "forecast_cpu_s_during": thread_cpu, "helper_cpu_s_during": helper_cpu,
+            "max_prefill_tokens": None if fit is None else fit.tokens, "cycles_advanced": advanced}
 
 
 def hooked(kind: str, segments: int, tokens: list[int], seconds: float, rounds: int, interval: float) -> dict:
@@ -224,12 +255,14 @@ def hooked(kind: str, segments: int, tokens: list[int], seconds: float, rounds: 
     for variant, results in runs.items():
         summary[variant] = {key: statistics.median(r[key] for r in results)
                             for key in ("calls", "p50_us", "p99_us", "p999_us", "max_us", "mean_us", "seconds",
-                                        "forecast_cpu_s_during")}
+                                        "forecast_cpu_s_during", "helper_cpu_s_during")}
         s = summary[variant]
         print(f"hooked call, forecast {variant:>11}: p50 {s['p50_us']:.1f} us, p99 {s['p99_us']:.1f} us, "
               f"p99.9 {s['p999_us']:.1f} us, max {s['max_us']:.0f} us over {s['calls']:,.0f} calls "
               f"({s['seconds']:.1f} s); "
-              f"forecast CPU meanwhile {s['forecast_cpu_s_during']:.2f} s", flush=True)
+              f"forecast CPU meanwhile {s['forecast_cpu_s_during']:.2f} s here, "
+              f"{s['helper_cpu_s_during']:.2f} s in its helper; max prefill tokens "
+              f"{[r['max_prefill_tokens'] for r in results]}", flush=True)
     return {"segments": segments, "seconds": seconds, "rounds": rounds, "interval_s": interval, "runs": runs,
             "median": summary}
 
@@ -241,11 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segments", default="10,100,556,2000", help="allocator sizes for the cost part")
     parser.add_argument("--tokens", default="100000,200000", help="forecast lengths")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--hooked-segments", type=int, default=556, help="allocator size in the hooked-call part")
+    parser.add_argument("--hooked-segments", default="556",
+                        help="allocator sizes in the hooked-call part, e.g. 556,5000")
     parser.add_argument("--seconds", type=float, default=10.0, help="hooked calls for this long per variant and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--interval", type=float, default=1.0, help="forecast interval in the hooked-call part")
     parser.add_argument("--skip-hooked", action="store_true", help="only the cost part")
+    parser.add_argument("--fit-budget-gb", type=float, default=16.0,
+                        help="the cost part's fit budget beyond the live bytes, for the longest-prefill search")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -258,11 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
         kind = "cuda" if cuda_available() else "sim"
     if args.child:
-        if args.child == "on_no_yield":   # the thread as it was before it yielded the GIL (runner.GilYield)
-            from telemetry.hook.forecast import runner
-
-            runner.GilYield.__call__ = lambda self: None  # type: ignore[method-assign]
-        print(json.dumps(hooked_child(kind, args.child != "off", args.hooked_segments, tokens, args.seconds,
+        print(json.dumps(hooked_child(kind, args.child, int(args.hooked_segments), tokens, args.seconds,
                                       args.interval)))
         return 0
     machine: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
@@ -273,9 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         machine.update(torch=torch.__version__, gpu=torch.cuda.get_device_name(0))
     print(json.dumps(machine), flush=True)
     result: dict[str, Any] = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "tokens": tokens,
-                              "cost": cost(kind, [int(s) for s in args.segments.split(",")], tokens, args.repeats)}
+                              "cost": cost(kind, [int(s) for s in args.segments.split(",")], tokens, args.repeats,
+                                           int(args.fit_budget_gb * (1 << 30)))}
     if not args.skip_hooked:
-        result["hooked"] = hooked(kind, args.hooked_segments, tokens, args.seconds, args.rounds, args.interval)
+        result["hooked"] = [hooked(kind, int(n), tokens, args.seconds, args.rounds, args.interval)
+                            for n in args.hooked_segments.split(",")]
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -16,7 +16,11 @@ from typing import Any, NoReturn
 COMMANDS: dict[str, tuple[str, str]] = {
     "daemon": ("telemetry.daemon.main", "run the node exporter: host memory, swap, PSI, NVML, kernel log"),
     "flight": ("telemetry.flight.cli", "show the flight recorder's last records (this boot or the previous one)"),
+    "alerts": ("telemetry.alerts.cli", "score alert rules against timelines of real outcomes; burn them in here"),
     "run": ("telemetry.run.cli", "run any Python program with the hook in it and in every Python process it starts"),
+    "ledger": ("telemetry.ledger.cli", "where the memory is: per node, then per process (weights, KV, outside...)"),
+    "top": ("telemetry.ledger.top", "the ledger live in the terminal: headroom, processes, growth, kernel log"),
+    "guard": ("telemetry.guard.cli", "an OpenAI-compatible proxy that refuses prompts whose prefill would not fit"),
     "ab": ("harness.ab.cli", "run an A/B prefill ladder against two servers, or write its report"),
     "allocsim": ("telemetry.model.allocsim.cli", "replay an op file on the caching-allocator simulator"),
     "replay": ("telemetry.model.indexer.replay",
@@ -30,6 +34,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def error_line(command: str, message: str) -> str:
+    """The one form of every command's error line: `memtel CMD: error: what was wrong (what is expected)`.
+
+    Commands raise ConfigError / RunError (telemetry/errors.py) and never print their own; warnings and notes
+    keep the same prefix with `warning:` / `note:`.
+    """
+    return f"{command}: error: {message}"
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line (without its usage block), like every other bad input.
 
@@ -37,7 +50,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        print(error_line(self.prog, f"{message} (see {self.prog} --help)"), file=sys.stderr)
         sys.exit(2)
 
 
@@ -50,8 +63,8 @@ def _import_command(name: str, module_name: str) -> Any:
         if missing in ("", "telemetry", "harness"):
             raise
         extra = "memtel[harness]" if module_name.startswith("harness.") else "memtel"
-        print(f"memtel {name}: error: it needs the Python package {missing!r}, which is not installed here: "
-              f"install it with pip install '{extra}'", file=sys.stderr)
+        print(error_line(f"memtel {name}", f"it needs the Python package {missing!r}, which is not installed here: "
+                         f"install it with pip install '{extra}'"), file=sys.stderr)
         sys.exit(2)
 
 
@@ -79,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(only=chosen or "")
     args, unknown = parser.parse_known_args(argv)
     if unknown and chosen:  # one line, like every other bad input (argparse would add its usage block)
-        print(f"memtel {chosen}: error: unrecognized arguments: {' '.join(unknown)} (see memtel {chosen} --help)",
-              file=sys.stderr)
+        print(error_line(f"memtel {chosen}", f"unrecognized arguments: {' '.join(unknown)} "
+                                             f"(see memtel {chosen} --help)"), file=sys.stderr)
         return 2
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -97,7 +110,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         return int(args._run(args) or 0)
     except MemtelError as exc:
-        print(f"memtel {args.command}: error: {exc}", file=sys.stderr)
+        print(error_line(f"memtel {args.command}", str(exc)), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"memtel {args.command}: interrupted", file=sys.stderr)

@@ -46,3 +46,12 @@ MAX_TIME_SCALE = 1_000.0
 
 # --- files of the allocator lab ---------------------------------------------------------------------
 MAX_OP_FILE_BYTES = 256 * MIB  # `memtel allocsim FILE` (and stdin); the H200 truth file is 0.4 MB
+
+# --- memory snapshots and recorded histories (telemetry/model/allocsim: snapshot_file, snapshot, trace) ----
+MAX_SNAPSHOT_FILE_BYTES = 2 * 1024 * MIB  # the file, and its content once decompressed (`--max-file-gb`)
+MAX_SNAPSHOT_OBJECTS = 2_000_000  # containers built while unpickling or parsing, and trace entries (`--max-objects`);
+#   about 0.5 GB at most
+MAX_SNAPSHOT_BLOCKS = 250_000  # segments + blocks of a snapshot, shared ones counted each time they are read
+#   (`--max-blocks`); a serving process holds thousands; reading 250,000 takes about 2.5 s
+MAX_SNAPSHOT_VALUE_BYTES = 64 * MIB  # one string, byte string or pickle frame (a snapshot's are short)
+MAX_SNAPSHOT_JSON_BYTES = 256 * MIB  # a JSON snapshot is parsed whole; its numbers cost up to 8x its text

@@ -36,16 +36,19 @@ class _NoAliasLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
+    def _next_event(self) -> Any:
+        return self.peek_event()  # type: ignore[no-untyped-call]  # PyYAML's method is unannotated
+
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent) and not self.allow_aliases:
-            event = self.peek_event()
+            event = self._next_event()
             raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted in memtel configs",
                                               event.start_mark)
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
                 raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
-                                                  self.peek_event().start_mark)
+                                                  self._next_event().start_mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1

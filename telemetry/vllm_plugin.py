@@ -34,18 +34,23 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # not imported at run time: the plugin is imported by every vLLM process
+    from telemetry.hook.config import HookConfig
 
 log = logging.getLogger("memtel.vllm_plugin")
 
 
-def config_from_env(environ: Mapping[str, str]):  # -> HookConfig | None (not imported at module level)
+def config_from_env(environ: Mapping[str, str]) -> HookConfig | None:
     """The hook's configuration for vLLM, None when telemetry is off; ConfigError names the bad variable."""
     from telemetry.hook.config import HookConfig
-    from telemetry.hook.presets import MODEL_LOADED
+    from telemetry.hook.presets import ENGINE_MEMORY, MODEL_LOADED
 
     # The model-loaded signal, not a timer: a timer would also fire in the API server, which never
     # imports the model's modules.
-    return HookConfig.from_env(environ, model_loaded=MODEL_LOADED["vllm"], unresolved_after_s=None)
+    return HookConfig.from_env(environ, model_loaded=MODEL_LOADED["vllm"], engine_memory=ENGINE_MEMORY["vllm"],
+                               unresolved_after_s=None)
 
 
 def show_in_vllm_log() -> None:

@@ -9,11 +9,14 @@ a ladder could make the harness build a structure larger than the machine ("bill
 `allocsim /dev/zero`, `replay --tokens 1e12` and `replay --layers 1e9`; `replay --plot /tmp` wrote
 `/tmp.png`.
 
-Each input runs the real `memtel` console script in a fresh, empty working directory under an address-space
-limit of 1.5 GiB (a structure of 10^12 anything cannot fit, so a case that tries ends in a MemoryError
-traceback or a kill, and fails here). After each: exit 2, exactly one line on stderr naming the command,
-no traceback, the working directory still empty, no run directory and no served command started (the
-ladder's server would leave a marker file).
+Each input runs in a fresh, empty working directory. Most go through the CLI's entry function
+`telemetry.cli.main` in this process (what the `memtel` console script calls; its return value is the exit
+status). The cases that ask for more memory than the machine has run the real `memtel` console script under an
+address-space limit of 1.5 GiB (a structure of 10^12 anything cannot fit, so a case that tries ends in a
+MemoryError traceback or a kill, and fails here), each within 10 s; so do the FIFO cases (a subprocess can be
+timed out, a blocked call in this process cannot) and a few plain ones, for the exit status the shell sees.
+After each: exit 2, exactly one line on stderr naming the command, no traceback, the working directory still
+empty, no run directory and no served command started (the ladder's server would leave a marker file).
 """
 
 from __future__ import annotations
@@ -21,16 +24,20 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import yaml
 
+from telemetry import cli
 from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,6 +342,37 @@ def _run(case: Case, cwd: Path) -> tuple[Case, Path, subprocess.CompletedProcess
     return case, cwd, result
 
 
+def _call(case: Case, cwd: Path, capfd: pytest.CaptureFixture[str],
+          monkeypatch: pytest.MonkeyPatch) -> tuple[Case, Path, subprocess.CompletedProcess | str]:
+    """`case` through `telemetry.cli.main` in this process, in `cwd`: what the console script would exit with
+    and print. An exception out of `main` is what a traceback would have been."""
+    cwd.mkdir()
+    before = _contents(case.untouched) if case.untouched else {}
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    capfd.readouterr()
+    with monkeypatch.context() as patch:
+        patch.chdir(cwd)
+        patch.setenv("MEMTEL_TARGETS", "")
+        raised = ""
+        try:
+            code = cli.main(list(case.argv))
+        except SystemExit as exit_:  # argparse, or a sys.exit() in a command: the console script's status
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+            if isinstance(exit_.code, str):
+                raised = exit_.code + "\n"
+        except Exception:  # the traceback the console script would print
+            code, raised = 1, traceback.format_exc()
+    out, err = capfd.readouterr()
+    changed = [signum for signum, handler in handlers.items() if signal.getsignal(signum) != handler]
+    for signum in changed:
+        signal.signal(signum, handlers[signum])
+    if changed:
+        return case, cwd, f"left signal handlers changed: {changed}"
+    if case.untouched and _contents(case.untouched) != before:
+        return case, cwd, f"changed {case.untouched}: {sorted(_contents(case.untouched))}"
+    return case, cwd, subprocess.CompletedProcess(case.argv, code, out, err + raised)
+
+
 def _problem(case: Case, cwd: Path, result: subprocess.CompletedProcess | str) -> str | None:
     if isinstance(result, str):
         return result
@@ -361,14 +399,27 @@ def _run_all(cases: list[Case], tmp_path: Path, workers: int = 3) -> dict[str, s
             if (problem := _problem(case, cwd, result)) is not None}
 
 
-def test_every_bad_harness_input_is_one_line_and_exit_2_in_bounded_memory_never_a_traceback(tmp_path):
+# Through the real console script: FIFOs (must not block), and a few plain cases for the exit status itself.
+SUBPROCESS_CASES = ("ab run: the ladder is a FIFO", "allocsim a FIFO", "ab run: tokens NaN",
+                    "ab report: no such directory", "replay --chunk 0", "lab serve --port 99999", "demo --scale 0",
+                    "run without a command")
+
+
+def test_every_bad_harness_input_is_one_line_and_exit_2_never_a_traceback(tmp_path, capfd, monkeypatch):
+    """Every case but MEMORY_CASES (the next test runs those, in bounded memory): in this process, and
+    SUBPROCESS_CASES through the console script."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     cases = _cases(scratch)
     assert len({c.name for c in cases}) == len(cases)
+    assert {c.name for c in cases} >= {*MEMORY_CASES, *SUBPROCESS_CASES}
     before_tmp_png = Path("/tmp.png").exists()
-    bad = _run_all(cases, tmp_path)
-    print(f"{len(cases)} bad harness inputs tried, {len(cases) - len(bad)} answered with one line and exit 2")
+    in_process = [c for c in cases if c.name not in MEMORY_CASES and c.name not in SUBPROCESS_CASES]
+    results = [_call(case, tmp_path / f"in-{i}", capfd, monkeypatch) for i, case in enumerate(in_process)]
+    bad = {case.name: problem for case, cwd, result in results if (problem := _problem(case, cwd, result)) is not None}
+    bad |= _run_all([c for c in cases if c.name in SUBPROCESS_CASES], tmp_path)
+    tried = len(in_process) + len(SUBPROCESS_CASES)
+    print(f"{tried} bad harness inputs tried, {tried - len(bad)} answered with one line and exit 2")
     assert bad == {}, "\n".join(f"{name}: {problem}" for name, problem in bad.items())
     assert not (scratch / "server-started").exists()  # no served command ever started
     assert Path("/tmp.png").exists() == before_tmp_png

@@ -5,6 +5,7 @@ serves fresh), where to read telemetry (nodes: the daemon's /metrics; ranks: the
 /metrics) and which prompts to send (steps). Validation happens at load, before anything starts:
 an unknown key is an error that names it and lists the valid ones, and every error names the file
 and the path of the bad field (`ladder.yaml: arms[1].serve.env.FOO: expected a string, got 3`).
+The checks and the messages' wording are telemetry/validate.py's, shared with the daemon and web configs.
 
 `check_reachable` is separate from loading because it talks to the network: the runner calls it
 before the first server starts.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import socket
 from dataclasses import dataclass, field
@@ -26,6 +26,20 @@ from harness.ab.gates import Gate, parse_gates
 from harness.ab.rundir import name_problem, relative_path_problem
 from telemetry import limits
 from telemetry.errors import ConfigError
+from telemetry.validate import (
+    LADDER,
+    Field,
+    Section,
+    Validator,
+    boolean,
+    choice,
+    integer,
+    join,
+    kind,
+    number,
+    optional,
+    text,
+)
 
 API_KINDS = ("completions", "chat")
 ARM_ORDERS = ("ABAB", "AABB")
@@ -180,185 +194,85 @@ def _plain(value: Any) -> Any:
     return value
 
 
-_MISSING = object()
+# request: each key with its check and its default (RequestSettings'); None: the dataclass's own default.
+REQUEST = Section({
+    "max_tokens": Field(integer(1, limits.MAX_OUTPUT_TOKENS), RequestSettings.max_tokens),
+    "temperature": Field(number(0.0, 2.0), RequestSettings.temperature),
+    "timeout_s": Field(number(1.0, limits.MAX_TIMEOUT_S), RequestSettings.timeout_s),
+    "api": Field(choice(*API_KINDS), RequestSettings.api),
+    "check_answer": Field(boolean, RequestSettings.check_answer),
+    "needle_depth": Field(number(0.0, 1.0), RequestSettings.needle_depth),
+    "extra_body": Field(lambda v, value, path: _extra_body(v, value, path), None),
+    "words_file": Field(optional(text()), None, null_is_default=True),
+})
 
 
-class _Parser:
-    """Walks the YAML data with the path of every field, so each error can name it."""
+class _Parser(Validator):
+    """Walks the YAML data with the path of every field, so each error can name it (telemetry/validate.py)."""
 
     def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, path: str, message: str) -> LadderError:
-        where = f"{self.source}: {path}" if path else self.source
-        return LadderError(f"{where}: {message}")
-
-    def mapping(self, data: Any, path: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict:
-        if not isinstance(data, dict):
-            raise self.fail(path, f"expected a mapping with keys {', '.join(required + optional)}, got {_kind(data)}")
-        valid = required + optional
-        for key in data:
-            if key not in valid:
-                raise self.fail(_join(path, str(key)), f"unknown key {key!r}; valid keys here: {', '.join(valid)}")
-        for key in required:
-            if key not in data or data[key] is None:
-                raise self.fail(_join(path, key), "missing (required)")
-        return data
-
-    def string(self, value: Any, path: str, max_chars: int = limits.MAX_TEXT_CHARS) -> str:
-        if not isinstance(value, str) or not value.strip():
-            raise self.fail(path, f"expected a non-empty string, got {_kind(value)}")
-        if len(value) > max_chars:
-            raise self.fail(path, f"expected at most {max_chars:,} characters, got {len(value):,}")
-        if "\0" in value:
-            raise self.fail(path, "contains a NUL character")
-        return value
-
-    def integer(self, value: Any, path: str, minimum: int | None = None, maximum: int | None = None) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(path, f"expected an integer, got {_kind(value)}")
-        if minimum is not None and value < minimum:
-            raise self.fail(path, f"expected an integer >= {minimum:,}, got {_int_text(value)}")
-        if maximum is not None and value > maximum:
-            raise self.fail(path, f"expected an integer <= {maximum:,}, got {_int_text(value)}")
-        return value
-
-    def number(self, value: Any, path: str, minimum: float | None = None, maximum: float | None = None) -> float:
-        """A finite number (NaN and infinity are refused) within the bounds given."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(path, f"expected a number, got {_kind(value)}")
-        if isinstance(value, int) and abs(value) > 2**53:
-            raise self.fail(path, f"expected a number of at most 2^53, got {_kind(value)}")
-        if not math.isfinite(value):
-            raise self.fail(path, f"expected a finite number, got {value}")
-        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-            low = "" if minimum is None else f"{minimum:g}"
-            high = "" if maximum is None else f"{maximum:g}"
-            raise self.fail(path, f"expected a number in [{low}, {high}], got {value:g}")
-        return float(value)
-
-    def boolean(self, value: Any, path: str) -> bool:
-        if not isinstance(value, bool):
-            raise self.fail(path, f"expected true or false, got {_kind(value)}")
-        return value
-
-    def choice(self, value: Any, path: str, choices: tuple[str, ...]) -> str:
-        if value not in choices:
-            raise self.fail(path, f"expected one of {', '.join(choices)}, got {value!r}")
-        return value
-
-    def url(self, value: Any, path: str) -> str:
-        value = self.string(value, path)
-        try:
-            parts = urlsplit(value)
-            _ = parts.hostname
-        except ValueError:  # e.g. an unclosed IPv6 bracket
-            raise self.fail(path, f"expected an http(s) URL such as http://127.0.0.1:8000, got {value!r}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise self.fail(path, f"expected an http(s) URL such as http://127.0.0.1:8000, got {value!r}")
-        try:
-            _ = parts.port  # raises on a port that is not a number in 0..65535
-        except ValueError:
-            raise self.fail(path, f"bad port in URL {value!r}") from None
-        return value.rstrip("/")
+        super().__init__(source, wording=LADDER, error_type=LadderError)
+        self.ladder_source = source
 
     def url_map(self, value: Any, path: str) -> dict:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise self.fail(path, f"expected a mapping of name -> /metrics URL, got {_kind(value)}")
+            raise self.fail(path, f"expected a mapping of name -> /metrics URL, got {kind(value)}")
         if len(value) > limits.MAX_ENDPOINTS:
             raise self.fail(path, f"expected at most {limits.MAX_ENDPOINTS:,} entries, got {len(value):,}")
-        return {self.string(str(name), _join(path, str(name))): self.url(url, _join(path, str(name)))
+        return {self.text(str(name), join(path, str(name))): self.url(url, join(path, str(name)))
                 for name, url in value.items()}
 
     def request(self, data: Any, path: str) -> RequestSettings:
-        if data is None:
-            return RequestSettings()
-        fields = tuple(f.name for f in dataclasses.fields(RequestSettings))
-        data = self.mapping(data, path, (), fields)
-        out: dict[str, Any] = {}
-        if "max_tokens" in data:
-            out["max_tokens"] = self.integer(data["max_tokens"], _join(path, "max_tokens"), 1,
-                                             limits.MAX_OUTPUT_TOKENS)
-        if "temperature" in data:
-            out["temperature"] = self.number(data["temperature"], _join(path, "temperature"), 0.0, 2.0)
-        if "timeout_s" in data:
-            out["timeout_s"] = self.number(data["timeout_s"], _join(path, "timeout_s"), 1.0, limits.MAX_TIMEOUT_S)
-        if "api" in data:
-            out["api"] = self.choice(data["api"], _join(path, "api"), API_KINDS)
-        if "check_answer" in data:
-            out["check_answer"] = self.boolean(data["check_answer"], _join(path, "check_answer"))
-        if "needle_depth" in data:
-            out["needle_depth"] = self.number(data["needle_depth"], _join(path, "needle_depth"), 0.0, 1.0)
-        if data.get("words_file") is not None:
-            out["words_file"] = self.string(data["words_file"], _join(path, "words_file"))
-        if "extra_body" in data:
-            out["extra_body"] = self.extra_body(data["extra_body"], _join(path, "extra_body"))
-        return RequestSettings(**out)
-
-    def extra_body(self, value: Any, path: str) -> dict:
-        """JSON fields for every request: a mapping of plain JSON values, at most MAX_EXTRA_BODY_BYTES as JSON."""
-        if not isinstance(value, dict):
-            raise self.fail(path, f"expected a mapping, got {_kind(value)}")
-        try:
-            text = json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise self.fail(path, f"expected plain JSON values (strings, finite numbers, true/false, null, lists, "
-                                  f"mappings with string keys): {exc}") from None
-        except RecursionError:
-            raise self.fail(path, "nested too deeply") from None
-        if len(text.encode()) > limits.MAX_EXTRA_BODY_BYTES:
-            raise self.fail(path, f"is {len(text.encode()):,} bytes as JSON; expected at most "
-                                  f"{limits.MAX_EXTRA_BODY_BYTES:,}")
-        result: dict = json.loads(text)
-        return result
+        values = REQUEST.read(self, data, path)
+        return RequestSettings(**{k: v for k, v in values.items() if v is not None})
 
     def serve(self, data: Any, path: str) -> ServeSpec:
         data = self.mapping(data, path, ("command", "health_url"),
                             ("env", "cwd", "startup_timeout_s", "stop_grace_s", "log_file", "inherit_env"))
         command = data["command"]
         if isinstance(command, str) or not isinstance(command, list) or not command:
-            raise self.fail(_join(path, "command"),
-                            f"expected a non-empty list of strings (argv), got {_kind(command)}")
+            raise self.fail(join(path, "command"),
+                            f"expected a non-empty list of strings (argv), got {kind(command)}")
         if len(command) > limits.MAX_COMMAND_ARGS:
-            raise self.fail(_join(path, "command"), f"expected at most {limits.MAX_COMMAND_ARGS:,} arguments, "
+            raise self.fail(join(path, "command"), f"expected at most {limits.MAX_COMMAND_ARGS:,} arguments, "
                                                     f"got {len(command):,}")
-        argv = tuple(self.string(_scalar_text(a), f"{_join(path, 'command')}[{i}]", limits.MAX_ARG_CHARS)
+        argv = tuple(self.text(_scalar_text(a), f"{join(path, 'command')}[{i}]", limits.MAX_ARG_CHARS)
                      for i, a in enumerate(command))
         env: dict[str, str] = {}
         raw_env = data.get("env") or {}
         if not isinstance(raw_env, dict):
-            raise self.fail(_join(path, "env"), f"expected a mapping of NAME: value, got {_kind(raw_env)}")
+            raise self.fail(join(path, "env"), f"expected a mapping of NAME: value, got {kind(raw_env)}")
         if len(raw_env) > limits.MAX_ENV_VARS:
-            raise self.fail(_join(path, "env"), f"expected at most {limits.MAX_ENV_VARS:,} variables, "
+            raise self.fail(join(path, "env"), f"expected at most {limits.MAX_ENV_VARS:,} variables, "
                                                 f"got {len(raw_env):,}")
         for name, value in raw_env.items():
             if not isinstance(name, str) or not ENV_NAME.fullmatch(name) or len(name) > limits.MAX_NAME_CHARS:
-                raise self.fail(_join(path, "env"), f"{_kind(name)} is not an environment variable name; expected "
+                raise self.fail(join(path, "env"), f"{kind(name)} is not an environment variable name; expected "
                                                     "letters, digits and '_', not starting with a digit")
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-                raise self.fail(_join(path, f"env.{name}"), f"expected a string (quote it), got {_kind(value)}")
+                raise self.fail(join(path, f"env.{name}"), f"expected a string (quote it), got {kind(value)}")
             text = _scalar_text(value)
             if "\0" in text or len(text) > limits.MAX_ARG_CHARS:
-                raise self.fail(_join(path, f"env.{name}"), f"expected at most {limits.MAX_ARG_CHARS:,} characters "
+                raise self.fail(join(path, f"env.{name}"), f"expected at most {limits.MAX_ARG_CHARS:,} characters "
                                                             "and no NUL character")
             env[name] = text
-        log_file = (self.string(data["log_file"], _join(path, "log_file")) if data.get("log_file") is not None
+        log_file = (self.text(data["log_file"], join(path, "log_file")) if data.get("log_file") is not None
                     else None)
         if log_file is not None:
-            self.log_file(log_file, _join(path, "log_file"))
+            self.log_file(log_file, join(path, "log_file"))
         return ServeSpec(
             command=argv,
-            health_url=self.url(data["health_url"], _join(path, "health_url")),
+            health_url=self.url(data["health_url"], join(path, "health_url")),
             env=env,
-            cwd=self.string(data["cwd"], _join(path, "cwd")) if data.get("cwd") is not None else None,
-            startup_timeout_s=self.number(data.get("startup_timeout_s", 600.0), _join(path, "startup_timeout_s"), 1.0,
+            cwd=self.text(data["cwd"], join(path, "cwd")) if data.get("cwd") is not None else None,
+            startup_timeout_s=self.number(data.get("startup_timeout_s", 600.0), join(path, "startup_timeout_s"), 1.0,
                                           limits.MAX_TIMEOUT_S),
-            stop_grace_s=self.number(data.get("stop_grace_s", 30.0), _join(path, "stop_grace_s"), 0.0,
+            stop_grace_s=self.number(data.get("stop_grace_s", 30.0), join(path, "stop_grace_s"), 0.0,
                                      limits.MAX_STOP_GRACE_S),
             log_file=log_file,
-            inherit_env=self.boolean(data.get("inherit_env", True), _join(path, "inherit_env")),
+            inherit_env=self.boolean(data.get("inherit_env", True), join(path, "inherit_env")),
         )
 
     def log_file(self, value: str, path: str) -> None:
@@ -372,7 +286,7 @@ class _Parser:
 
     def name(self, value: Any, path: str) -> str:
         """An arm name or a step label: it names files in the run directory."""
-        name = self.string(value, path)
+        name = self.text(value, path)
         problem = name_problem(name)
         if problem is not None:
             raise self.fail(path, problem)
@@ -380,26 +294,26 @@ class _Parser:
 
     def arm(self, data: Any, path: str) -> Arm:
         data = self.mapping(data, path, ("name",), ("url", "serve", "ranks", "hook_log_dir", "on_error"))
-        name = self.name(data["name"], _join(path, "name"))
-        serve = self.serve(data["serve"], _join(path, "serve")) if data.get("serve") is not None else None
+        name = self.name(data["name"], join(path, "name"))
+        serve = self.serve(data["serve"], join(path, "serve")) if data.get("serve") is not None else None
         if data.get("url") is not None:
-            url = self.url(data["url"], _join(path, "url"))
+            url = self.url(data["url"], join(path, "url"))
         elif serve is not None:
             parts = urlsplit(serve.health_url)
             url = f"{parts.scheme}://{parts.netloc}"  # the server's base URL is the health URL's origin
         else:
             raise self.fail(path, "an arm needs `url` (a server someone else runs) or `serve` (a command to start)")
-        ranks = self.url_map(data["ranks"], _join(path, "ranks")) if data.get("ranks") is not None else None
-        hook_log_dir = (self.string(data["hook_log_dir"], _join(path, "hook_log_dir")) if data.get("hook_log_dir")
+        ranks = self.url_map(data["ranks"], join(path, "ranks")) if data.get("ranks") is not None else None
+        hook_log_dir = (self.text(data["hook_log_dir"], join(path, "hook_log_dir")) if data.get("hook_log_dir")
                         else None)
-        on_error = self.choice(data["on_error"], _join(path, "on_error"), ON_ERROR) if data.get("on_error") else None
+        on_error = self.choice(data["on_error"], join(path, "on_error"), ON_ERROR) if data.get("on_error") else None
         return Arm(name=name, url=url, serve=serve, ranks=ranks, hook_log_dir=hook_log_dir, on_error=on_error)
 
     def steps(self, data: Any, path: str) -> tuple[Step, ...]:
         if data is None:
             data = [dataclasses.asdict(s) for s in DEFAULT_STEPS]
         if not isinstance(data, list) or not data:
-            raise self.fail(path, f"expected a non-empty list of {{label, tokens, seed}}, got {_kind(data)}")
+            raise self.fail(path, f"expected a non-empty list of {{label, tokens, seed}}, got {kind(data)}")
         if len(data) > limits.MAX_STEPS:
             raise self.fail(path, f"expected at most {limits.MAX_STEPS:,} steps, got {len(data):,}")
         steps: list[Step] = []
@@ -407,19 +321,19 @@ class _Parser:
             item_path = f"{path}[{i}]"
             item = self.mapping(item, item_path, ("label", "tokens", "seed"), ("timeout_s",))
             step = Step(
-                label=self.name(_scalar_text(item["label"]), _join(item_path, "label")),
-                tokens=self.integer(item["tokens"], _join(item_path, "tokens"), limits.MIN_STEP_TOKENS,
+                label=self.name(_scalar_text(item["label"]), join(item_path, "label")),
+                tokens=self.integer(item["tokens"], join(item_path, "tokens"), limits.MIN_STEP_TOKENS,
                                     limits.MAX_PREFILL_TOKENS),
-                seed=self.integer(item["seed"], _join(item_path, "seed"), 0, limits.MAX_SEED),
-                timeout_s=(self.number(item["timeout_s"], _join(item_path, "timeout_s"), 1.0, limits.MAX_TIMEOUT_S)
+                seed=self.integer(item["seed"], join(item_path, "seed"), 0, limits.MAX_SEED),
+                timeout_s=(self.number(item["timeout_s"], join(item_path, "timeout_s"), 1.0, limits.MAX_TIMEOUT_S)
                            if item.get("timeout_s") is not None else None),
             )
             for j, other in enumerate(steps):
                 if other.label == step.label:
-                    raise self.fail(_join(item_path, "label"),
+                    raise self.fail(join(item_path, "label"),
                                     f"{step.label!r} is already used by {path}[{j}]; labels must be unique")
                 if other.seed == step.seed:
-                    raise self.fail(_join(item_path, "seed"), f"{step.seed} is already used by {path}[{j}]; "
+                    raise self.fail(join(item_path, "seed"), f"{step.seed} is already used by {path}[{j}]; "
                                     "each step needs its own seed so no prompt repeats and the prefix cache never hits")
             steps.append(step)
         return tuple(steps)
@@ -430,7 +344,7 @@ class _Parser:
                              "gates"))
         arms_data = data["arms"]
         if not isinstance(arms_data, list) or not arms_data:
-            raise self.fail("arms", f"expected a non-empty list of arms, got {_kind(arms_data)}")
+            raise self.fail("arms", f"expected a non-empty list of arms, got {kind(arms_data)}")
         if len(arms_data) > limits.MAX_ARMS:
             raise self.fail("arms", f"expected at most {limits.MAX_ARMS} arms, got {len(arms_data):,}")
         arms = tuple(self.arm(a, f"arms[{i}]") for i, a in enumerate(arms_data))
@@ -440,7 +354,7 @@ class _Parser:
                 raise self.fail(f"arms[{i}].name", f"{name!r} is already used by arms[{names.index(name)}]")
         steps = self.steps(data.get("steps"), "steps")
         return Ladder(
-            model=self.string(data["model"], "model"),
+            model=self.text(data["model"], "model"),
             arms=arms,
             steps=steps,
             request=self.request(data.get("request"), "request"),
@@ -451,12 +365,26 @@ class _Parser:
             on_error=self.choice(data.get("on_error", "stop-arm"), "on_error", ON_ERROR),
             sample_interval_s=self.number(data.get("sample_interval_s", 1.0), "sample_interval_s", 0.05, 60.0),
             gates=parse_gates(data.get("gates"), "gates", self.fail, names, [s.label for s in steps]),
-            source=self.source,
+            source=self.ladder_source,
         )
 
 
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
+def _extra_body(v: Validator, value: Any, path: str) -> dict[str, Any]:
+    """JSON fields for every request: a mapping of plain JSON values, at most MAX_EXTRA_BODY_BYTES as JSON."""
+    if not isinstance(value, dict):
+        raise v.fail(path, f"expected a mapping, got {kind(value)}")
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise v.fail(path, f"expected plain JSON values (strings, finite numbers, true/false, null, lists, "
+                              f"mappings with string keys): {exc}") from None
+    except RecursionError:
+        raise v.fail(path, "nested too deeply") from None
+    if len(text.encode()) > limits.MAX_EXTRA_BODY_BYTES:
+        raise v.fail(path, f"is {len(text.encode()):,} bytes as JSON; expected at most "
+                              f"{limits.MAX_EXTRA_BODY_BYTES:,}")
+    result: dict[str, Any] = json.loads(text)
+    return result
 
 
 def _scalar_text(value: Any) -> Any:
@@ -465,21 +393,6 @@ def _scalar_text(value: Any) -> Any:
                                                                             or abs(value) < 10**30):
         return str(value)
     return value
-
-
-def _int_text(value: int) -> str:
-    return str(value) if abs(value) < 10**30 else f"an integer of {value.bit_length():,} bits"
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "nothing"
-    if isinstance(value, (dict, list)):
-        return type(value).__name__
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
-        return _int_text(value)
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 80 else text[:80] + '...'}"
 
 
 # --- reachability (network; called by the runner before anything starts) ---

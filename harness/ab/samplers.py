@@ -21,38 +21,16 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.ab.records import NodeSnapshot, RankSnapshot, ServerSnapshot, Snapshot
+from telemetry.catalogue import fields
+from telemetry.catalogue.fields import NODE_SNAPSHOT_SERIES, NODE_XID_LABEL
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 S = TypeVar("S", bound=Snapshot)
 
-NODE_GAUGES = {
-    "mem_available_bytes": "memtel_node_mem_available_bytes",
-    "mem_total_bytes": "memtel_node_mem_total_bytes",
-    "swap_used_bytes": "memtel_node_swap_used_bytes",
-    "unified_headroom_bytes": "memtel_node_unified_headroom_bytes",
-}
-NODE_COUNTERS = {
-    "pswpin_total": "memtel_node_vmstat_pswpin_total",
-    "pswpout_total": "memtel_node_vmstat_pswpout_total",
-    "nv_err_no_memory_total": "memtel_kernel_nv_err_no_memory_total",
-    "xid_total": "memtel_kernel_xid_total",
-}
-# Process-wide allocator values (every site reports the same allocator): take the largest.
-RANK_PROCESS_WIDE = {
-    "reserved_bytes": "memtel_allocator_reserved_bytes",
-    "allocated_bytes": "memtel_allocator_allocated_bytes",
-    "num_device_alloc": "memtel_allocator_device_alloc_total",
-    "num_device_free": "memtel_allocator_device_free_total",
-    "num_alloc_retries": "memtel_allocator_alloc_retries_total",
-    "num_ooms": "memtel_allocator_ooms_total",
-    "host_mem_available_bytes": "memtel_hook_host_mem_available_bytes",
-}
-# Per-site counters: add them up.
-RANK_PER_SITE = {
-    "hook_calls_total": "memtel_hook_calls_total",
-    "growth_events_total": "memtel_hook_growth_events_total",
-    "hook_errors_total": "memtel_hook_errors_total",
-}
+# Snapshot field -> the series it is read from (telemetry/catalogue/fields.py, one place for both names).
+NODE_SERIES = NODE_SNAPSHOT_SERIES
+RANK_PROCESS_WIDE = fields.RANK_PROCESS_WIDE  # process-wide allocator values (every site reports them): the largest
+RANK_PER_SITE = fields.RANK_PER_SITE          # per-site counters: added up
 SERVER_TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 SERVER_TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
 SERVER_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"  # tokens looked up in the prefix cache
@@ -78,9 +56,10 @@ def _max(samples: Samples, name: str) -> float | None:
 
 
 def node_snapshot(samples: Samples, ts: float | None = None) -> NodeSnapshot:
-    xids = samples.get("memtel_kernel_xid_total") or []
-    values: dict[str, Any] = {key: _sum(samples, name) for key, name in {**NODE_GAUGES, **NODE_COUNTERS}.items()}
-    return NodeSnapshot(ts=ts, xid_by_code={labels.get("xid", "?"): value for labels, value in xids}, **values)
+    xids = samples.get(NODE_SERIES["xid_total"]) or []
+    values: dict[str, Any] = {key: _sum(samples, name) for key, name in NODE_SERIES.items()}
+    return NodeSnapshot(ts=ts, xid_by_code={labels.get(NODE_XID_LABEL, "?"): value for labels, value in xids},
+                        **values)
 
 
 def rank_snapshot(samples: Samples, ts: float | None = None) -> RankSnapshot:

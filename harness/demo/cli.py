@@ -71,6 +71,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"multiply the rows (so the bytes) of every logits launch by S (default "
                              f"{DEFAULT_SIM_SCALE} with sim: about 2.5 GiB of host memory at the stock arm's peak; "
                              f"1 with cuda)")
+    guard = parser.add_argument_group("the guard (memtel demo --guard: harness/demo/guarded.py)")
+    guard.add_argument("--guard", action="store_true",
+                       help="instead of the A/B ladder: a small lab node takes 32k, 100k and 1M-token prompts "
+                            "without and with `memtel guard`, and the report says what each did")
+    guard.add_argument("--capacity-gb", type=bounded_float(0, limits.MAX_CAPACITY_GIB, above_minimum=True),
+                       default=None, help="--guard: the lab node's memory in GiB (default 1.5: 100k fits, 1M not)")
     advanced = parser.add_argument_group("advanced (shapes of the lab servers and the ladder)")
     advanced.add_argument("--steps", type=_steps, default=None,
                           help="the ladder's prompt sizes in tokens (default "
@@ -179,6 +185,15 @@ def ladder_text(data: dict, daemon: Daemon, run_dir: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     from harness.labserver.cli import DEFAULT_SIM_SCALE
 
+    if args.guard:
+        from harness.demo import guarded
+
+        out = Path(args.out or Path("memtel-demo") / time.strftime("guard-%Y%m%d-%H%M%S", time.gmtime())).resolve()
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out} is not a directory; expected a run directory")
+        return guarded.run(out, args.capacity_gb or guarded.DEFAULT_CAPACITY_GB)
+    if args.capacity_gb is not None:
+        raise ConfigError("--capacity-gb is for --guard (the A/B demo's lab servers have no capacity limit)")
     allocator = args.allocator or default_allocator()
     if allocator == "cuda" and not cuda_available():
         raise ConfigError("--allocator cuda needs a CUDA GPU and a CUDA build of torch in this Python; "
@@ -233,13 +248,14 @@ def run_demo(setup: DemoSetup, steps: list[Step], out: Path, overwrite: bool = F
             notes = build_notes(report, setup, steps)
         except Exception as exc:  # the harness's report stands without the demo's section
             notes_error = f"{type(exc).__name__}: {exc}"
-        path = report.write(notes.sections if notes else (), notes.report_notes if notes else None)
+        path = report.write(notes.sections if notes else (), notes.report_notes if notes else None,
+                            notes.plot_caveats if notes else None)
         if notes is not None:
             notes.write_summary(out)
     except KeyboardInterrupt:
         failure = (130, "interrupted; every process it started has been stopped")
     except Exception as exc:  # a clear line, not a traceback, for the README's first command
-        failure = (1, f"failed: {type(exc).__name__}: {exc}")
+        failure = (1, f"error: the demo failed: {type(exc).__name__}: {exc}")
     finally:
         daemon.stop()
         signal.signal(signal.SIGTERM, previous_sigterm)
@@ -255,7 +271,8 @@ def run_demo(setup: DemoSetup, steps: list[Step], out: Path, overwrite: bool = F
               "stopped; see the report's \"Failed and skipped requests\"", file=sys.stderr)
         status = 1
     if notes is None:
-        print(f"memtel demo: the demo's own report section could not be written: {notes_error}", file=sys.stderr)
+        print(f"memtel demo: error: the demo's own report section could not be written: {notes_error}",
+              file=sys.stderr)
         return 1
     for line in notes.console_lines():
         print(f"  {line}", flush=True)

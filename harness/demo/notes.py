@@ -30,6 +30,14 @@ from telemetry.model.indexer.prefill import LaunchPattern, PrefillObserver, run_
 from telemetry.model.indexer.shape import MIB
 
 SUMMARY_FILE = "demo-summary.json"
+# In the TTFT plot itself (by "the allocator is the simulator"): a picture is read without the text around it.
+TTFT_CAVEAT = {
+    True: "memtel demo, simulator: a TTFT gap between the arms here is NOT the fix's effect. No GPU computes; "
+          "each rank sleeps a cost model plus Python and host-page work that differs by arm, on a shared machine. "
+          "See the report's \"Time to first token\".",
+    False: "memtel demo: a TTFT gap between the arms here is NOT the fix's effect on a served model. TTFT is the "
+           "ranks' allocations and writes without the indexer's kernels. See the report's \"Time to first token\".",
+}
 H200_RECORD = "docs/results/h200-demo-cuda.md"
 
 
@@ -113,6 +121,7 @@ class DemoNotes:
     arms: dict[str, list[StepCheck]] = field(default_factory=dict)
     sections: list[Section] = field(default_factory=list)
     report_notes: dict[str, list[str]] = field(default_factory=dict)
+    plot_caveats: dict[str, str] = field(default_factory=dict)  # written into the images (plots.write_plots)
 
     @property
     def prediction_agrees(self) -> bool:
@@ -156,7 +165,7 @@ def _integrated_gpu(metrics: RunMetrics) -> bool:
 def _steps_with_growth(growth: list[int] | None) -> str:
     if growth is None:
         return "n/a"
-    grew = [i + 1 for i, g in enumerate(growth) if g > 0]
+    grew = [i for i, g in enumerate(growth) if g > 0]  # chunk steps count from 0, as in replay and forecast
     if not grew:
         return f"none of {len(growth)}"
     return f"{md.ranges(grew)} of {len(growth)}"
@@ -282,7 +291,8 @@ def build_notes(report: Report, setup: DemoSetup, steps: list[Step]) -> DemoNote
               Table(["arm", "step", "predicted reserved (MiB)", f"measured ({rank_names})", "predicted device allocs",
                      "measured", "agree"], check_rows).markdown(),
               "", "### Where the growth happened, chunk step by chunk step", "",
-              "Chunk steps of each request during which reserved memory grew (1 = the first chunk), predicted and "
+              "Chunk steps of each request during which reserved memory grew (0 = the first chunk, as `memtel "
+              "replay` and `memtel forecast` count them), predicted and "
               "as the hook's per-call log of the first rank shows them. The stock arm grows at every chunk step "
               "until its logits reach the budget and are split on rows; the fixed arm grows only in its first chunk "
               "of the run, and not at all in later requests.", "",
@@ -299,7 +309,8 @@ def build_notes(report: Report, setup: DemoSetup, steps: list[Step]) -> DemoNote
         per_step_rows = [r + [""] * (width + 1 - len(r)) for r in per_step_rows]
         lines += ["", f"Reserved growth of the first rank at each chunk step of the first request ({first_label}), "
                       "MiB, from the hook's per-call log:", "",
-                  Table(["arm"] + [str(i + 1) for i in range(width)], per_step_rows).markdown()]
+                  Table(["arm"] + [f"chunk step {i}" if i == 0 else str(i) for i in range(width)],
+                        per_step_rows).markdown()]
     if host_rows:
         lines += ["", "### Host memory against the allocator", "", _host_text(setup), "",
                   Table(["arm", "step", "reserved growth, all ranks (MiB)", "MemAvailable delta per node (MiB)"],
@@ -312,6 +323,7 @@ def build_notes(report: Report, setup: DemoSetup, steps: list[Step]) -> DemoNote
     notes.report_notes["ttft"] = ["On this run: see \"Time to first token\" in the demo's section above for what "
                                   "these times measure here; the difference between the arms is not the fix's "
                                   "effect."]
+    notes.plot_caveats["ttft"] = TTFT_CAVEAT[setup.allocator == "sim"]
     return notes
 
 

@@ -2,7 +2,7 @@
 
     memtel lab serve --arm stock|fixed [--ranks N] [--allocator cuda|sim] [--layers L] [--chunk C]
                      [--max-model-len T] [--compress-ratio R] [--budget-mb B] [--port P] [--host H]
-                     [--scale S] [--time-scale X]
+                     [--scale S] [--time-scale X] [--capacity-gb X]
 
 It answers like a vLLM server (so `memtel ab` and any OpenAI client can drive it) and runs, per
 request, the indexer's logits launches of a chunked prefill on N rank processes, each with memtel's
@@ -63,6 +63,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             f"each output token (50 ms) on both")
     serve.add_argument("--alloc-conf", default=None,
                        help="sim: allocator settings in PYTORCH_CUDA_ALLOC_CONF syntax (default: that variable)")
+    serve.add_argument("--capacity-gb", type=bounded_float(0, limits.MAX_CAPACITY_GIB, above_minimum=True),
+                       default=None,
+                       help="sim: the node's unified memory, in GiB, shared by every rank: a launch beyond it runs "
+                            "out of memory as on the device (the request fails and the engine dies, as vLLM's), and "
+                            "the hook's fit budget is what it has left (default: unlimited)")
     serve.add_argument("--no-unified-memory", action="store_true",
                        help="sim: do not back simulated segments with host memory")
     serve.add_argument("--no-hook", action="store_true", help="do not install memtel's hook in the ranks")
@@ -79,6 +84,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> LabConfig:
     allocator = args.allocator or default_allocator()
+    if args.capacity_gb is not None and allocator != "sim":
+        raise ConfigError(f"--capacity-gb {args.capacity_gb:g} emulates a node's memory on the sim allocator; "
+                          f"with --allocator {allocator} the device's own memory applies (use --allocator sim)")
     scale = args.scale if args.scale is not None else (DEFAULT_SIM_SCALE if allocator == "sim" else 1.0)
     memtel_port = args.memtel_port
     if memtel_port is None:
@@ -97,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
         unified_memory=not args.no_unified_memory, memtel_port=memtel_port,
         memtel_log_dir=args.memtel_log_dir or os.environ.get("MEMTEL_LOG_DIR") or None, hook=not args.no_hook,
         memtel_addr=args.host,
+        capacity_bytes=None if args.capacity_gb is None else int(args.capacity_gb * (1 << 30)),
     )
 
 
@@ -144,6 +153,7 @@ def serve(config: LabConfig, host: str, port: int, model_name: str) -> int:
             if not engine.healthy():
                 log.error("stopping: %s", engine.problem())
                 status = 1
+                stopping.wait(1.0)   # the failed request's answer is on its way, as vLLM answers before it stops
                 break
     finally:
         httpd.shutdown()

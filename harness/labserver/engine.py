@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.labserver.cost_model import CostModel
+from harness.labserver.node_memory import NodeMemory
 from harness.labserver.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
 from harness.labserver.worker import RankConfig, RankPrefill, rank_main
 from telemetry.errors import ConfigError, RunError
@@ -32,6 +33,10 @@ log = logging.getLogger("memtel.lab.engine")
 
 class EngineError(RunError):
     """A rank failed, died or did not answer."""
+
+
+class EngineOutOfMemoryError(EngineError):
+    """A rank ran out of the node's memory during a prefill: the engine is dead, as vLLM's engine core is then."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class LabConfig:
     memtel_addr: str = "127.0.0.1"  # where the hook exporters listen (the server's --host)
     hook: bool = True
     startup_timeout_s: float = 120.0
+    capacity_bytes: int | None = None  # sim: the node's emulated unified memory for all ranks (None: unlimited)
 
     def __post_init__(self) -> None:
         problems = []
@@ -68,6 +74,9 @@ class LabConfig:
             problems.append(f"scale must be in (0, 1], got {self.scale!r}")
         if not (self.time_scale >= 0):
             problems.append(f"time_scale must be >= 0, got {self.time_scale!r}")
+        if self.capacity_bytes is not None and (self.allocator != "sim" or self.capacity_bytes < 1):
+            problems.append(f"capacity_bytes needs the sim allocator and a positive size, got {self.capacity_bytes!r} "
+                            f"with {self.allocator}")
         if self.prefix_cache_tokens < 0:
             problems.append(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens!r}")
         if problems:
@@ -78,7 +87,7 @@ class LabConfig:
             rank=rank, world_size=self.ranks, mode=self.mode, allocator=self.allocator, shape=self.shape,
             scale=self.scale, time_scale=self.time_scale, alloc_conf=self.alloc_conf,
             unified_memory=self.unified_memory, memtel_port=self.memtel_port, memtel_log_dir=self.memtel_log_dir,
-            hook=self.hook, memtel_addr=self.memtel_addr,
+            hook=self.hook, memtel_addr=self.memtel_addr, capacity_bytes=self.capacity_bytes,
         )
 
 
@@ -110,15 +119,18 @@ class LabEngine:
         self._problem: str | None = "not started"
         self._lock = threading.Lock()
         self.cost = CostModel(time_scale=config.time_scale)
+        self.node: NodeMemory | None = None   # the emulated unified memory (--capacity-gb)
 
     # --- lifecycle ---
 
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
+        if self.config.capacity_bytes is not None:
+            self.node = NodeMemory(self.config.capacity_bytes, self.config.ranks, context)
         try:
             for index in range(self.config.ranks):
                 parent, child = context.Pipe()
-                process = context.Process(target=rank_main, args=(self.config.rank_config(index), child),
+                process = context.Process(target=rank_main, args=(self.config.rank_config(index), child, self.node),
                                           name=f"memtel-lab-rank{index}", daemon=True)
                 process.start()
                 child.close()
@@ -166,6 +178,8 @@ class LabEngine:
     def describe(self) -> dict[str, Any]:
         data = dataclasses.asdict(self.config)
         data["ranks_info"] = [r.info for r in self._ranks]
+        if self.node is not None:
+            data["node_used_bytes"] = self.node.used_bytes()
         return data
 
     # --- work ---
@@ -182,11 +196,19 @@ class LabEngine:
             deadline = None  # a 400k-token prefill on a real GPU may take long; a dead rank is noticed
             results: list[RankPrefill] = []
             errors: list[str] = []
+            out_of_memory = False
             for rank in self._ranks:  # collect every rank's answer, so no pipe is left out of step
                 try:
                     results.append(self._receive(rank, deadline, "prefill"))
+                except EngineOutOfMemoryError as exc:
+                    out_of_memory = True
+                    errors.append(str(exc))
                 except EngineError as exc:
                     errors.append(str(exc))
+            if out_of_memory:   # as vLLM's engine core: an out-of-memory in a step is fatal
+                self._problem = f"out of memory during a prefill of {len(token_ids):,} tokens: {'; '.join(errors)}"
+                log.error("lab engine dead: %s", self._problem)
+                raise EngineOutOfMemoryError(self._problem)
             if errors:
                 raise EngineError("; ".join(errors))
             self.prefix_cache.commit(hit.hashes)
@@ -221,6 +243,8 @@ class LabEngine:
                 except (OSError, EOFError):
                     self._problem = f"rank {rank.rank} (pid {rank.process.pid}) died during {what}"
                     raise EngineError(self._problem) from None
+                if status == "out_of_memory":
+                    raise EngineOutOfMemoryError(f"rank {rank.rank}: {payload}")
                 if status == "error":
                     if what == "start":
                         self._problem = f"rank {rank.rank} failed to start: {payload}"

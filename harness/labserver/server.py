@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from harness.labserver.engine import EngineError, LabEngine
+from harness.labserver.engine import EngineError, EngineOutOfMemoryError, LabEngine
 from harness.labserver.tokenizer import WhitespaceTokenizer
 from telemetry.errors import MemtelError
 
@@ -39,6 +39,10 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 FILLER_WORDS = ("lab", "model", "output", "token")
 MAX_BODY_BYTES = 64 << 20  # a 200k-word prompt is ~1.5 MB; refuse absurd bodies early
+
+
+# vLLM's answer when its engine core died (vllm/v1/engine/exceptions.py, EngineDeadError; 0.32).
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
 class ApiError(MemtelError):
@@ -227,6 +231,9 @@ class LabService:
             self.metrics.running.inc()
             try:
                 outcome = self.engine.prefill(request.prompt_ids)
+            except EngineOutOfMemoryError:
+                # vLLM answers an engine core's death so (EngineDeadError: 500, then the server shuts down).
+                raise ApiError(500, ENGINE_DEAD_MESSAGE, "InternalServerError") from None
             except EngineError as exc:
                 raise ApiError(500, f"the lab engine failed: {exc}", "InternalServerError") from None
             finally:

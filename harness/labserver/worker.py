@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 from harness.labserver.cost_model import CostModel
+from harness.labserver.node_memory import LabOutOfMemoryError, NodeLimitedBackend, NodeMemory
 from harness.processes import die_with_parent
 from telemetry.model.indexer.backends import CudaBackend, LaunchBackend, SimBackend
 from telemetry.model.indexer.planner import ChunkStep, Launch, Mode
@@ -57,6 +58,7 @@ class RankConfig:
     memtel_log_dir: str | None
     hook: bool
     memtel_addr: str = "127.0.0.1"
+    capacity_bytes: int | None = None  # sim: the node's emulated unified memory, shared by the ranks (node_memory.py)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ def _set_hook_environment(config: RankConfig) -> None:
     os.environ["RANK"] = str(config.rank)
     os.environ["LOCAL_RANK"] = str(config.rank)
     os.environ["WORLD_SIZE"] = str(config.world_size)
+    os.environ["LOCAL_WORLD_SIZE"] = str(config.world_size)   # every rank on this one node shares its memory
     if config.memtel_port is not None:
         os.environ["MEMTEL_PORT"] = str(config.memtel_port)
     if config.memtel_log_dir:
@@ -89,8 +92,9 @@ def _set_hook_environment(config: RankConfig) -> None:
         os.environ["MEMTEL_LOG_DIR"] = config.memtel_log_dir
 
 
-def make_backend(config: RankConfig) -> tuple[LaunchBackend, Any]:
-    """This rank's backend, and its host backing (the unified-memory emulation) or None."""
+def make_backend(config: RankConfig, node: NodeMemory | None = None) -> tuple[LaunchBackend, Any]:
+    """This rank's backend, and its host backing (the unified-memory emulation) or None; with `node` (sim), its
+    launches fit in the node's emulated memory."""
     if config.allocator == "cuda":
         import torch
 
@@ -101,8 +105,12 @@ def make_backend(config: RankConfig) -> tuple[LaunchBackend, Any]:
         from harness.labserver.unified_memory import HostBacking
 
         backing = HostBacking()
-        return SimBackend(config.alloc_conf, on_segment_map=backing.map, on_segment_unmap=backing.unmap), backing
-    return SimBackend(config.alloc_conf), backing
+        sim = SimBackend(config.alloc_conf, on_segment_map=backing.map, on_segment_unmap=backing.unmap)
+    else:
+        sim = SimBackend(config.alloc_conf)
+    if node is not None:
+        return cast(LaunchBackend, NodeLimitedBackend(sim, node, config.rank)), backing
+    return sim, backing
 
 
 @dataclass
@@ -133,9 +141,10 @@ class _StepClock(PrefillObserver):
 
 
 class Rank:
-    def __init__(self, config: RankConfig) -> None:
+    def __init__(self, config: RankConfig, node: NodeMemory | None = None) -> None:
         self.config = config
-        self.backend, self.backing = make_backend(config)
+        self.node = node
+        self.backend, self.backing = make_backend(config, node)
         self.pattern = LaunchPattern(row_scale=config.scale)
         self.cost = CostModel(time_scale=config.time_scale)
         self.hook_handle: Any = None
@@ -149,6 +158,7 @@ class Rank:
         from telemetry.hook import set_allocator_source
         from telemetry.hook.config import forecast_options
         from telemetry.hook.forecast import set_forecast_workload
+        from telemetry.hook.forecast.budget import node_headroom, set_forecast_budget
 
         sim = self.config.allocator == "sim"
         if sim:
@@ -159,6 +169,12 @@ class Rank:
         if forecast:
             set_forecast_workload(self.config.shape, mode=self.config.mode, pattern=self.pattern,
                                   alloc_conf=self.config.alloc_conf if sim else None)
+            # The fit budget: the emulated node's free memory (no other tenant: no reserve unless
+            # MEMTEL_GUARD_RESERVE_MB says), else, with host-backed segments, the host's own headroom.
+            if self.node is not None:
+                set_forecast_budget(self.node.free_bytes, reserve_mib=0)
+            elif sim and self.backing is not None:
+                set_forecast_budget(node_headroom)
         self.hook_handle = telemetry.install([HOOK_PRESET], port=self.config.memtel_port,
                                              log_dir=self.config.memtel_log_dir, addr=self.config.memtel_addr,
                                              **forecast)
@@ -205,7 +221,7 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(0)
 
 
-def rank_main(config: RankConfig, conn: Any) -> None:
+def rank_main(config: RankConfig, conn: Any, node: NodeMemory | None = None) -> None:
     """Entry point of a rank process: set up, report ready, then serve prefills until told to stop."""
     die_with_parent()
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="memtel-lab-parent").start()
@@ -214,7 +230,7 @@ def rank_main(config: RankConfig, conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops the ranks
     try:
         _set_hook_environment(config)
-        rank = Rank(config)
+        rank = Rank(config, node)
         rank.install_hook()
         conn.send(("ok", {**rank.snapshot(), "config": asdict(config)}))
     except Exception as exc:
@@ -233,6 +249,9 @@ def rank_main(config: RankConfig, conn: Any) -> None:
                     conn.send(("ok", rank.prefill(job["start_token"], job["tokens"])))
                 else:
                     conn.send(("error", f"unknown job {kind!r}"))
+            except LabOutOfMemoryError as exc:
+                log.error("rank %d: prefill of %d tokens failed: %s", config.rank, job.get("tokens", 0), exc)
+                conn.send(("out_of_memory", str(exc)))
             except Exception as exc:
                 log.exception("rank %d: %s failed", config.rank, kind)
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))

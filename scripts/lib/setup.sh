@@ -54,19 +54,51 @@ ensure_vllm_venv() {
 }
 
 # ensure_system_packages: Debian's prometheus (server and promtool) and prometheus-alertmanager
-# (alertmanager and amtool) for the live tests.
+# (alertmanager and amtool) for the live tests, and tmux (memtel top is tested in a real terminal).
 ensure_system_packages() {
     command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 \
-        && command -v amtool >/dev/null 2>&1 && command -v prometheus-alertmanager >/dev/null 2>&1 && return 0
+        && command -v amtool >/dev/null 2>&1 && command -v prometheus-alertmanager >/dev/null 2>&1 \
+        && command -v tmux >/dev/null 2>&1 && return 0
     if [ "$(id -u)" != 0 ]; then
         log "prometheus/promtool/alertmanager are missing and this is not root: the Prometheus tests will fail"
         return 0
     fi
-    log "installing Debian's prometheus, prometheus-alertmanager and iproute2"
+    log "installing Debian's prometheus, prometheus-alertmanager, iproute2 and tmux"
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager \
-        iproute2 >/dev/null
+        iproute2 tmux >/dev/null
     # The packages start a system Prometheus on :9090 and Alertmanager on :9093; the tests start their own.
-    systemctl stop prometheus >/dev/null 2>&1 || service prometheus stop >/dev/null 2>&1 || pkill -x prometheus || true
-    systemctl stop prometheus-alertmanager >/dev/null 2>&1 || service prometheus-alertmanager stop >/dev/null 2>&1 || true
+    # Stop only those services (never by process name: another Prometheus on this machine is not ours).
+    stop_packaged_service prometheus /run/prometheus/prometheus.pid /usr/bin/prometheus
+    stop_packaged_service prometheus-alertmanager /run/prometheus/prometheus-alertmanager.pid \
+        /usr/bin/prometheus-alertmanager
+}
+
+# stop_packaged_service NAME PIDFILE BINARY: stop the service a package just started, and nothing else:
+# through systemd when it runs, else the package's init script (which stops the pid in its pid file), else
+# by the pid in PIDFILE itself, and only if that pid runs BINARY. Waits (bounded) for that pid to exit.
+stop_packaged_service() {
+    local name="$1" pidfile="$2" binary="$3" pid="" i
+    if [ -d /run/systemd/system ] && systemctl stop "$name" >/dev/null 2>&1; then
+        return 0
+    fi
+    [ -r "$pidfile" ] && pid="$(head -c 32 "$pidfile" | tr -dc 0-9)"
+    if service "$name" stop >/dev/null 2>&1 && { [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; }; then
+        return 0
+    fi
+    if [ -z "$pid" ]; then
+        log "could not stop the $name service (no systemd, its init script failed, no pid in $pidfile)"
+        return 0
+    fi
+    kill -0 "$pid" 2>/dev/null || return 0
+    if [ "$(readlink -f "/proc/$pid/exe" 2>/dev/null)" != "$(readlink -f "$binary")" ]; then
+        log "not stopping pid $pid from $pidfile: it does not run $binary"
+        return 0
+    fi
+    kill -TERM "$pid" 2>/dev/null || return 0
+    for i in $(seq 100); do
+        kill -0 "$pid" 2>/dev/null || return 0
+        sleep 0.1
+    done
+    log "$name (pid $pid) did not stop within 10 s of SIGTERM"
 }

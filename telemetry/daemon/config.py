@@ -19,9 +19,11 @@ from telemetry.daemon.collectors import NAMES as COLLECTOR_NAMES
 from telemetry.daemon.collectors.processes import DEFAULT_ROLES, RolePattern
 from telemetry.daemon.kmsg.classify import UserPattern
 from telemetry.daemon.patterns import compile_user_pattern
+from telemetry.daemon.protect import ProtectConfig, parse_protect
 from telemetry.errors import ConfigError
 from telemetry.exporter.address import parse_listen as _parse_listen
 from telemetry.paths import default_state_dir
+from telemetry.validate import DAEMON, Check, Field, Section, Validator, boolean, optional, path_text
 
 DEFAULT_LISTEN = "0.0.0.0:9101"  # next to node_exporter's 9100, far from dcgm-exporter's 9400
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -89,6 +91,8 @@ class DaemonConfig:
     processes: ProcessesConfig = ProcessesConfig()
     nvml: NvmlConfig = NvmlConfig()
     flight: FlightConfig = FlightConfig()
+    # the evidence-gated last resort (telemetry/daemon/protect.py)
+    protect: ProtectConfig = field(default_factory=ProtectConfig)
     state_dir_given: bool = False  # --state-dir, state_dir or $STATE_DIRECTORY: turns the flight recorder on
 
     @property
@@ -100,35 +104,12 @@ class DaemonConfig:
         return tuple(name for name in COLLECTOR_NAMES if name not in self.disabled_collectors)
 
 
-# -- value checks -------------------------------------------------------------------------------------
+# -- value checks (telemetry/validate.py; a flag's value is checked like the file's key it overrides) ----
+FLAGS = Validator(None, wording=DAEMON)
+
+
 def parse_listen(text: Any, where: str = "--listen") -> tuple[str, int]:
     return _parse_listen(text, where)
-
-
-def _keys(section: Any, allowed: tuple[str, ...], where: str) -> dict[str, Any]:
-    if section is None:
-        return {}
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where}: expected a mapping with keys {', '.join(allowed)}, got {type(section).__name__}")
-    unknown = sorted({str(k)[:64] for k in section} - set(allowed))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(allowed)}")
-    return section
-
-
-def _number(value: Any, where: str, *, integer: bool = False, key: str | None = None) -> Any:
-    """A finite number within LIMITS[key] (or >= 0 without a key); ConfigError otherwise."""
-    low, high = LIMITS.get(key or "", (0.0, math.inf))
-    kind = int if integer else (int, float)
-    what = "an integer" if integer else "a number"
-    bounds = f"from {low:g} to {high:g}" if math.isfinite(high) else f">= {low:g}"
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"{where}: expected {what} {bounds}, got {_short(value)}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}: expected a finite number {bounds}, got {value!r}")
-    if not low <= value <= high:
-        raise ConfigError(f"{where}: expected {what} {bounds}, got {_short(value)}")
-    return value
 
 
 def _short(value: Any) -> str:
@@ -138,14 +119,12 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _path(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > MAX_PATH_CHARS or "\0" in value:
-        raise ConfigError(f"{where}: expected a path, got {_short(value)}")
-    return value
-
-
-def _regex(text: Any, where: str) -> Any:
-    return compile_user_pattern(text, where)
+def _limited(key: str, *, whole: bool = False) -> Check[Any]:
+    """A number (an integer if `whole`) within LIMITS[key]."""
+    low, high = LIMITS[key]
+    if whole:
+        return lambda v, value, path: v.integer(value, path, int(low), int(high))
+    return lambda v, value, path: v.number(value, path, low, high)
 
 
 def _name(value: Any, where: str) -> str:
@@ -164,85 +143,93 @@ def check_collectors(names: Any, where: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-# -- sections -----------------------------------------------------------------------------------------
-def _kmsg(section: Any, base: KmsgConfig) -> KmsgConfig:
-    data = _keys(section, ("path", "burst_window_seconds", "max_xid_codes", "patterns", "ignore_test_lines"), "kmsg")
-    patterns = list(base.patterns)
-    raw_patterns = data.get("patterns", [])
-    if raw_patterns is None:
-        raw_patterns = []
-    if not isinstance(raw_patterns, list):
-        raise ConfigError("kmsg.patterns: expected a list of {name, regex} mappings")
-    if len(raw_patterns) > MAX_PATTERNS:
-        raise ConfigError(f"kmsg.patterns: {len(raw_patterns)} patterns; at most {MAX_PATTERNS} are accepted")
-    seen: set[str] = set()
-    for i, item in enumerate(raw_patterns):
-        where = f"kmsg.patterns[{i}]"
-        entry = _keys(item, ("name", "regex"), where)
-        if "name" not in entry or "regex" not in entry:
-            raise ConfigError(f"{where}: needs both 'name' and 'regex'")
-        name = _name(entry["name"], f"{where}.name")
-        if name in seen:
-            raise ConfigError(f"{where}.name: pattern {name!r} is defined twice")
-        seen.add(name)
-        patterns.append(UserPattern(name, _regex(entry["regex"], f"{where}.regex ({name})")))
-    path = _path(data.get("path", base.path), "kmsg.path")
-    ignore = data.get("ignore_test_lines", base.ignore_test_lines)
-    if not isinstance(ignore, bool):
-        raise ConfigError(f"kmsg.ignore_test_lines: expected true or false, got {_short(ignore)}")
-    return KmsgConfig(
-        path=path,
-        burst_window_seconds=float(_number(data.get("burst_window_seconds", base.burst_window_seconds),
-                                           "kmsg.burst_window_seconds", key="kmsg.burst_window_seconds")),
-        max_xid_codes=_number(data.get("max_xid_codes", base.max_xid_codes), "kmsg.max_xid_codes",
-                              integer=True, key="kmsg.max_xid_codes"),
-        patterns=tuple(patterns),
-        ignore_test_lines=ignore,
-    )
+def _named_patterns(v: Validator, value: Any, path: str, *, name_key: str, pattern_key: str, max_items: int,
+                    required: bool, unique: bool) -> list[tuple[str, Any]]:
+    """A list of {name_key, pattern_key} mappings: (name, compiled pattern) pairs (names unique if `unique`)."""
+    if not isinstance(value, list) or (required and not value) or len(value) > max_items:
+        size = f"1 to {max_items}" if required else f"at most {max_items}"
+        raise v.fail(path, f"expected a list of {size} {{{name_key}, {pattern_key}}} mappings")
+    pairs: list[tuple[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"{path}[{i}]"
+        data = v.mapping(item, where, (), (name_key, pattern_key))
+        if name_key not in data or pattern_key not in data:
+            raise v.fail(where, f"needs both {name_key!r} and {pattern_key!r}")
+        name = _name(data[name_key], f"{where}.{name_key}")
+        if unique and name in (n for n, _ in pairs):
+            raise v.fail(f"{where}.{name_key}", f"pattern {name!r} is defined twice")
+        label = f" ({name})" if name_key == "name" else ""
+        pairs.append((name, compile_user_pattern(data[pattern_key], f"{where}.{pattern_key}{label}")))
+    return pairs
 
 
-def _processes(section: Any) -> ProcessesConfig:
-    data = _keys(section, ("roles", "max_per_role", "recheck_seconds"), "processes")
-    roles: tuple[RolePattern, ...] = DEFAULT_ROLES
-    if "roles" in data:
-        if not isinstance(data["roles"], list) or not data["roles"] or len(data["roles"]) > MAX_ROLES:
-            raise ConfigError(f"processes.roles: expected a list of 1 to {MAX_ROLES} {{role, cmdline}} mappings")
-        parsed = []
-        for i, item in enumerate(data["roles"]):
-            where = f"processes.roles[{i}]"
-            entry = _keys(item, ("role", "cmdline"), where)
-            if "role" not in entry or "cmdline" not in entry:
-                raise ConfigError(f"{where}: needs both 'role' and 'cmdline'")
-            parsed.append(RolePattern(_name(entry["role"], f"{where}.role"),
-                                      _regex(entry["cmdline"], f"{where}.cmdline")))
-        roles = tuple(parsed)
-    return ProcessesConfig(
-        roles=roles,
-        max_per_role=_number(data.get("max_per_role", 8), "processes.max_per_role", integer=True,
-                             key="processes.max_per_role"),
-        recheck_seconds=float(_number(data.get("recheck_seconds", 60.0), "processes.recheck_seconds",
-                                      key="processes.recheck_seconds")),
-    )
+def _kmsg_patterns(v: Validator, value: Any, path: str) -> tuple[UserPattern, ...]:
+    if isinstance(value, list) and len(value) > MAX_PATTERNS:
+        raise v.fail(path, f"{len(value)} patterns; at most {MAX_PATTERNS} are accepted")
+    pairs = _named_patterns(v, value, path, name_key="name", pattern_key="regex", max_items=MAX_PATTERNS,
+                            required=False, unique=True)
+    return tuple(UserPattern(name, regex) for name, regex in pairs)
 
 
-def _flight(section: Any) -> FlightConfig:
-    data = _keys(section, ("enabled", "duration_seconds", "interval_seconds", "hook_targets"), "flight")
-    enabled = data.get("enabled")
-    if enabled is not None and not isinstance(enabled, bool):
-        raise ConfigError(f"flight.enabled: expected true or false, got {_short(enabled)}")
-    targets = data.get("hook_targets") or []
-    if not isinstance(targets, list) or len(targets) > MAX_HOOK_TARGETS:
-        raise ConfigError(f"flight.hook_targets: expected a list of at most {MAX_HOOK_TARGETS} HOST:PORT targets")
-    for i, target in enumerate(targets):
-        parse_listen(target, f"flight.hook_targets[{i}]")
-    return _flight_durations(FlightConfig(
-        enabled=enabled,
-        duration_seconds=float(_number(data.get("duration_seconds", 900.0), "flight.duration_seconds",
-                                       key="flight.duration_seconds")),
-        interval_seconds=float(_number(data.get("interval_seconds", 1.0), "flight.interval_seconds",
-                                       key="flight.interval_seconds")),
-        hook_targets=tuple(targets),
-    ))
+def _roles(v: Validator, value: Any, path: str) -> tuple[RolePattern, ...]:
+    pairs = _named_patterns(v, value, path, name_key="role", pattern_key="cmdline", max_items=MAX_ROLES,
+                            required=True, unique=False)
+    return tuple(RolePattern(role, cmdline) for role, cmdline in pairs)
+
+
+def _hook_targets(v: Validator, value: Any, path: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_HOOK_TARGETS:
+        raise v.fail(path, f"expected a list of at most {MAX_HOOK_TARGETS} HOST:PORT targets")
+    for i, target in enumerate(value):
+        parse_listen(target, f"{path}[{i}]")
+    return tuple(value)
+
+
+def _log_level(v: Validator, value: Any, path: str) -> str:
+    if not isinstance(value, str) or value not in LOG_LEVELS:
+        raise v.fail(path, f"{_short(value)}; valid: {', '.join(LOG_LEVELS)}")
+    return value
+
+
+# -- sections: each key with its check and its default (the dataclasses' defaults) --------------------
+KMSG = Section({
+    "path": Field(path_text, KmsgConfig.path),
+    "burst_window_seconds": Field(_limited("kmsg.burst_window_seconds"), KmsgConfig.burst_window_seconds),
+    "max_xid_codes": Field(_limited("kmsg.max_xid_codes", whole=True), KmsgConfig.max_xid_codes),
+    "patterns": Field(_kmsg_patterns, KmsgConfig.patterns, null_is_default=True),
+    "ignore_test_lines": Field(boolean, KmsgConfig.ignore_test_lines),
+})
+PROCESSES = Section({
+    "roles": Field(_roles, ProcessesConfig.roles),
+    "max_per_role": Field(_limited("processes.max_per_role", whole=True), ProcessesConfig.max_per_role),
+    "recheck_seconds": Field(_limited("processes.recheck_seconds"), ProcessesConfig.recheck_seconds),
+})
+NVML = Section({
+    "max_processes": Field(_limited("nvml.max_processes", whole=True), NvmlConfig.max_processes),
+})
+FLIGHT = Section({
+    "enabled": Field(optional(boolean), FlightConfig.enabled),
+    "duration_seconds": Field(_limited("flight.duration_seconds"), FlightConfig.duration_seconds),
+    "interval_seconds": Field(_limited("flight.interval_seconds"), FlightConfig.interval_seconds),
+    "hook_targets": Field(_hook_targets, FlightConfig.hook_targets, null_is_default=True),
+})
+COLLECTORS = Section({
+    "disabled": Field(lambda v, value, path: check_collectors(value, path), ()),
+})
+TOP = Section({
+    "listen": Field(lambda v, value, path: parse_listen(value, path), parse_listen(DEFAULT_LISTEN)),
+    "web_config": Field(optional(path_text), None),
+    "state_dir": Field(optional(path_text), None),
+    "proc_root": Field(path_text, "/proc"),
+    "log_level": Field(_log_level, DaemonConfig.log_level),
+    "collectors": Field(COLLECTORS.read, {"disabled": ()}),
+    "kmsg": Field(KMSG.read, {}),
+    "processes": Field(PROCESSES.read, {}),
+    "nvml": Field(NVML.read, {}),
+    "flight": Field(FLIGHT.read, {}),
+    "protect": Field(parse_protect, ProtectConfig()),
+})
+TOP_KEYS = TOP.keys
 
 
 def _flight_durations(flight: FlightConfig) -> FlightConfig:
@@ -253,40 +240,24 @@ def _flight_durations(flight: FlightConfig) -> FlightConfig:
     return flight
 
 
-TOP_KEYS = ("listen", "web_config", "state_dir", "proc_root", "log_level", "collectors", "kmsg", "processes", "nvml",
-            "flight")
-
-
 def from_mapping(data: Any, source: str = "config") -> DaemonConfig:
     """Build a config from a parsed YAML mapping; ConfigError names the file and the key."""
     try:
-        top = _keys(data, TOP_KEYS, "top level")
-        host, port = parse_listen(top.get("listen", DEFAULT_LISTEN), "listen")
-        log_level = top.get("log_level", "info")
-        if not isinstance(log_level, str) or log_level not in LOG_LEVELS:
-            raise ConfigError(f"log_level: {_short(log_level)}; valid: {', '.join(LOG_LEVELS)}")
-        collectors = _keys(top.get("collectors"), ("disabled",), "collectors")
-        nvml = _keys(top.get("nvml"), ("max_processes",), "nvml")
-        state_dir = top.get("state_dir")
-        if state_dir is not None:
-            state_dir = _path(state_dir, "state_dir")
-        web_config = top.get("web_config")
-        if web_config is not None:
-            web_config = _path(web_config, "web_config")
-        proc_root = _path(top.get("proc_root", "/proc"), "proc_root")
+        top = TOP.read(Validator(None, wording=DAEMON, top="top level"), data, "")
+        (host, port), state_dir = top["listen"], top["state_dir"]
         return DaemonConfig(
-            web_config=web_config,
-            proc_root=Path(proc_root),
+            web_config=top["web_config"],
+            proc_root=Path(top["proc_root"]),
             listen_host=host,
             listen_port=port,
             state_dir=Path(state_dir) if state_dir else default_state_dir(),
-            log_level=log_level,
-            disabled_collectors=check_collectors(collectors.get("disabled", []), "collectors.disabled"),
-            kmsg=_kmsg(top.get("kmsg"), KmsgConfig()),
-            processes=_processes(top.get("processes")),
-            nvml=NvmlConfig(max_processes=_number(nvml.get("max_processes", 32), "nvml.max_processes",
-                                                  integer=True, key="nvml.max_processes")),
-            flight=_flight(top.get("flight")),
+            log_level=top["log_level"],
+            disabled_collectors=top["collectors"]["disabled"],
+            kmsg=KmsgConfig(**top["kmsg"]),
+            processes=ProcessesConfig(**top["processes"]),
+            nvml=NvmlConfig(**top["nvml"]),
+            flight=_flight_durations(FlightConfig(**top["flight"])),
+            protect=top["protect"],
             state_dir_given=state_dir is not None or bool(os.environ.get("STATE_DIRECTORY")),
         )
     except ConfigError as exc:
@@ -314,12 +285,12 @@ def from_args(args: Any) -> DaemonConfig:
     if args.listen is not None:
         changes["listen_host"], changes["listen_port"] = parse_listen(args.listen)
     if args.state_dir is not None:
-        changes["state_dir"] = Path(_path(args.state_dir, "--state-dir"))
+        changes["state_dir"] = Path(FLAGS.path_text(args.state_dir, "--state-dir"))
         changes["state_dir_given"] = True
     if getattr(args, "web_config", None) is not None:
-        changes["web_config"] = _path(args.web_config, "--web-config")
+        changes["web_config"] = FLAGS.path_text(args.web_config, "--web-config")
     if args.proc_root is not None:
-        changes["proc_root"] = Path(_path(args.proc_root, "--proc-root"))
+        changes["proc_root"] = Path(FLAGS.path_text(args.proc_root, "--proc-root"))
     if args.log_level is not None:
         changes["log_level"] = args.log_level
     if args.disable_collector:
@@ -328,10 +299,10 @@ def from_args(args: Any) -> DaemonConfig:
         )
     kmsg_changes: dict[str, Any] = {}
     if args.kmsg is not None:
-        kmsg_changes["path"] = _path(args.kmsg, "--kmsg")
+        kmsg_changes["path"] = FLAGS.path_text(args.kmsg, "--kmsg")
     if args.burst_window is not None:
-        kmsg_changes["burst_window_seconds"] = float(_number(args.burst_window, "--burst-window",
-                                                             key="kmsg.burst_window_seconds"))
+        kmsg_changes["burst_window_seconds"] = FLAGS.number(args.burst_window, "--burst-window",
+                                                      *LIMITS["kmsg.burst_window_seconds"])
     if getattr(args, "kmsg_count_test_lines", False):
         kmsg_changes["ignore_test_lines"] = False
     if len(args.kmsg_pattern or ()) + len(config.kmsg.patterns) > MAX_PATTERNS:
@@ -343,7 +314,8 @@ def from_args(args: Any) -> DaemonConfig:
         existing = {p.name for p in config.kmsg.patterns} | {p.name for p in kmsg_changes.get("patterns", ())}
         if name in existing:
             raise ConfigError(f"--kmsg-pattern {spec!r}: pattern {name!r} is defined twice")
-        pattern = UserPattern(_name(name, f"--kmsg-pattern {spec!r}"), _regex(regex, f"--kmsg-pattern {spec!r}"))
+        where = f"--kmsg-pattern {spec!r}"
+        pattern = UserPattern(_name(name, where), compile_user_pattern(regex, where))
         kmsg_changes["patterns"] = (*kmsg_changes.get("patterns", config.kmsg.patterns), pattern)
     if kmsg_changes:
         changes["kmsg"] = KmsgConfig(**{**config.kmsg.__dict__, **kmsg_changes})
@@ -353,8 +325,8 @@ def from_args(args: Any) -> DaemonConfig:
     if getattr(args, "flight_duration", None) is not None:
         from telemetry.flight.duration import parse_duration
 
-        flight_changes["duration_seconds"] = float(_number(parse_duration(args.flight_duration, "--flight-duration"),
-                                                           "--flight-duration", key="flight.duration_seconds"))
+        flight_changes["duration_seconds"] = FLAGS.number(parse_duration(args.flight_duration, "--flight-duration"),
+                                                    "--flight-duration", *LIMITS["flight.duration_seconds"])
     if flight_changes:
         changes["flight"] = _flight_durations(FlightConfig(**{**config.flight.__dict__, **flight_changes}))
     return DaemonConfig(**{**config.__dict__, **changes}) if changes else config

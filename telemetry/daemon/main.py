@@ -11,6 +11,7 @@ SIGINT stop it cleanly: the server stops, the follower writes its state, exit st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -22,9 +23,17 @@ from typing import NoReturn
 
 from prometheus_client import CollectorRegistry
 
+from telemetry.daemon.collectors import BY_NAME as COLLECTORS
 from telemetry.daemon.collectors import NAMES as COLLECTOR_NAMES
-from telemetry.daemon.config import DEFAULT_LISTEN, LOG_LEVELS, DaemonConfig, check_proc_root, from_args
-from telemetry.daemon.registry import Collector, DaemonCollectors
+from telemetry.daemon.config import (
+    DEFAULT_LISTEN,
+    LOG_LEVELS,
+    DaemonConfig,
+    check_collectors,
+    check_proc_root,
+    from_args,
+)
+from telemetry.daemon.registry import BackgroundCollector, Collector, DaemonCollectors
 from telemetry.errors import ConfigError
 
 log = logging.getLogger("memtel.daemon")
@@ -56,6 +65,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="lines of one kind within this window count as one event (default 2, at most 3600)")
     parser.add_argument("--disable-collector", action="append", choices=COLLECTOR_NAMES, metavar="NAME",
                         help=f"turn a collector off (repeatable): {', '.join(COLLECTOR_NAMES)}")
+    parser.add_argument("--enable-collector", action="append", choices=COLLECTOR_NAMES, metavar="NAME",
+                        help="turn a collector on that the config file's collectors.disabled turns off (repeatable)")
     parser.add_argument("--no-flight-recorder", action="store_true",
                         help="do not keep the flight recorder's ring in STATE_DIR/flight (it is on when a state "
                              "directory is given; docs/flight-recorder.md)")
@@ -83,6 +94,7 @@ def _usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
 def _prepare_state_dir(path: Path) -> None:
     """A private state directory with no temporaries of a killed save left in it; ConfigError otherwise."""
     from telemetry.daemon.kmsg.state import STATE_FILE_NAME
+    from telemetry.daemon.statelock import hold_state_dir
     from telemetry.safefs import UnsafePathError, ensure_private_dir, remove_stale_temporaries
 
     try:
@@ -91,74 +103,34 @@ def _prepare_state_dir(path: Path) -> None:
         raise ConfigError(f"{exc} (choose another with --state-dir DIR)") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"the state directory {path} is not writable (choose another with --state-dir DIR)")
+    hold_state_dir(path)  # one daemon per state directory: a second one refuses, naming the first's pid
     removed = remove_stale_temporaries(path / STATE_FILE_NAME)
     if removed:
         log.info("removed %d temporary state file(s) left by an interrupted save in %s", removed, path)
 
 
-def build_collectors(config: DaemonConfig):
-    """(collectors by name, kmsg follower or None). Nothing is started here."""
-    from telemetry.daemon.kmsg.classify import Classifier
-    from telemetry.daemon.kmsg.counts import KmsgCounts
-    from telemetry.daemon.kmsg.follower import KmsgFollower
-    from telemetry.daemon.kmsg.state import STATE_FILE_NAME, read_boot_id
+def build_collectors(config: DaemonConfig) -> dict[str, Collector]:
+    """The enabled collectors by name, in scrape order, built by their registrations. Nothing is started here."""
+    return {name: COLLECTORS[name].build(config) for name in config.enabled_collectors}
 
-    collectors: dict[str, Collector] = {}
-    follower = None
-    for name in config.enabled_collectors:
-        if name == "meminfo":
-            from telemetry.daemon.collectors.meminfo import MeminfoCollector
 
-            collectors[name] = MeminfoCollector(str(config.proc_root / "meminfo"))
-        elif name == "vmstat":
-            from telemetry.daemon.collectors.vmstat import VmstatCollector
-
-            collectors[name] = VmstatCollector(str(config.proc_root / "vmstat"))
-        elif name == "pressure":
-            from telemetry.daemon.collectors.pressure import PressureCollector
-
-            collectors[name] = PressureCollector(str(config.proc_root / "pressure" / "memory"))
-        elif name == "buddyinfo":
-            from telemetry.daemon.collectors.buddyinfo import BuddyinfoCollector
-
-            collectors[name] = BuddyinfoCollector(str(config.proc_root / "buddyinfo"))
-        elif name == "headroom":
-            from telemetry.daemon.collectors.headroom import HeadroomCollector
-
-            collectors[name] = HeadroomCollector(str(config.proc_root / "meminfo"), str(config.proc_root / "buddyinfo"))
-        elif name == "nvml":
-            from telemetry.daemon.collectors.nvml import NvmlCollector
-
-            collectors[name] = NvmlCollector(max_processes=config.nvml.max_processes)
-        elif name == "processes":
-            import psutil
-
-            from telemetry.daemon.collectors.processes import ProcessCollector
-
-            psutil.PROCFS_PATH = str(config.proc_root)  # psutil reads processes from one global /proc path
-
-            collectors[name] = ProcessCollector(
-                config.processes.roles, max_per_role=config.processes.max_per_role,
-                recheck_seconds=config.processes.recheck_seconds,
-            )
-        elif name == "kmsg":
-            from telemetry.daemon.collectors.kmsg import KmsgCollector
-
-            kmsg = config.kmsg
-            follower = KmsgFollower(
-                kmsg.path, Classifier(kmsg.patterns, ignore_test_lines=kmsg.ignore_test_lines),
-                KmsgCounts(kmsg.burst_window_seconds, kmsg.max_xid_codes),
-                state_path=config.state_dir / STATE_FILE_NAME,
-                boot_id=read_boot_id(str(config.proc_root / "sys/kernel/random/boot_id")),
-            )
-            collectors[name] = KmsgCollector(follower, tuple(p.name for p in kmsg.patterns))
-    return collectors, follower
+def _enable(config: DaemonConfig, args: argparse.Namespace) -> DaemonConfig:
+    """--enable-collector: turn collectors back on that the config file's collectors.disabled turns off."""
+    names = getattr(args, "enable_collector", None)
+    if not names:
+        return config
+    enabled = check_collectors(names, "--enable-collector")
+    both = sorted(set(enabled) & set(args.disable_collector or ()))
+    if both:
+        raise ConfigError(f"--enable-collector and --disable-collector both name {', '.join(both)}; give one")
+    return dataclasses.replace(config, disabled_collectors=tuple(
+        name for name in config.disabled_collectors if name not in enabled))
 
 
 def run(args: argparse.Namespace) -> int:
     from telemetry.exporter import load_web_config
 
-    config = from_args(args)  # ConfigError: one line and exit 2 (telemetry.cli)
+    config = _enable(from_args(args), args)  # ConfigError: one line and exit 2 (telemetry.cli)
     logging.basicConfig(
         level=config.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -176,7 +148,12 @@ def run(args: argparse.Namespace) -> int:
     from telemetry.exporter.metrics import ExporterCollector
 
     start_time = time.time()
-    collectors, follower = build_collectors(config)
+    collectors = build_collectors(config)
+    if config.protect.enabled:
+        from telemetry.daemon.protect import build_protect
+
+        collectors["protect"] = build_protect(config)  # started and stopped below, like the kernel log's follower
+    background = [c for c in collectors.values() if isinstance(c, BackgroundCollector)]  # the kernel log's
     flight = None
     if config.flight_enabled:
         from telemetry.daemon.flight import COLLECTOR_NAME, DaemonFlight
@@ -190,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     server = MetricsServer(config.listen_host, config.listen_port, registry, health=wrapper.health,
                            web_config=web_config, name="memtel daemon")  # ListenError: exit 1
     registry.register(ExporterCollector(server))
-    if follower is not None or flight is not None:
+    if flight is not None or any(COLLECTORS[name].uses_state_dir for name in config.enabled_collectors):
         try:
             _prepare_state_dir(config.state_dir)
         except ConfigError:
@@ -207,9 +184,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    if follower is not None:
-        follower.load_state()
-        follower.start()
+    for collector in background:
+        collector.start()
     if flight is not None:
         flight.start(wrapper)
     server.start()
@@ -224,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     server.stop()
     if flight is not None:
         flight.stop()
-    if follower is not None:
-        follower.stop()
+    for collector in background:
+        collector.stop()
     log.info("stopped")
     return 0

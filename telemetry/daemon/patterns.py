@@ -38,7 +38,8 @@ def compile_user_pattern(text: Any, where: str) -> Searcher:
     options.log_errors = False  # RE2 would print its own line on stderr; ours says it once
     options.max_mem = MAX_PATTERN_MEMORY
     try:
-        return re2.compile(text, options)
+        searcher: Searcher = re2.compile(text, options)
+        return searcher
     except re2.error as exc:
         reason = exc.args[0].decode("utf-8", "replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
         hint = ""

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
+from telemetry.catalogue import metrics as catalogue
 from telemetry.exporter.server import MetricsServer
 
 # The close reasons that say something is wrong (a fixed set: the label stays bounded); ordinary ends of a
@@ -19,22 +20,13 @@ class ExporterCollector:
 
     def collect(self) -> Iterator[Metric]:
         counts = self.server.counts()
-        yield GaugeMetricFamily("memtel_exporter_http_connections_open",
-                                "HTTP connections open on this exporter now.", value=self.server.open_connections)
-        yield GaugeMetricFamily("memtel_exporter_http_connections_max",
-                                "Most HTTP connections this exporter keeps open at once (the idlest is closed "
-                                "past it).", value=self.server.max_connections)
-        closed = CounterMetricFamily("memtel_exporter_http_connections_closed",
-                                     "HTTP connections the exporter closed before an answer, by reason: evicted "
-                                     "(to stay under the connection bound), idle_timeout, request_timeout, "
-                                     "tls_failed.",
-                                     labels=["reason"])
+        yield catalogue.HTTP_CONNECTIONS_OPEN.new(self.server.open_connections)
+        yield catalogue.HTTP_CONNECTIONS_MAX.new(self.server.max_connections)
+        closed = catalogue.HTTP_CONNECTIONS_CLOSED.new()
         for reason in CLOSE_REASONS:
             closed.add_metric([reason], counts.get(f"closed_{reason}", 0))
         yield closed
-        yield CounterMetricFamily("memtel_exporter_http_unauthorized_requests",
-                                  "HTTP requests refused for missing or wrong basic-auth credentials.",
-                                  value=counts.get("unauthorized", 0))
+        yield catalogue.HTTP_UNAUTHORIZED.new(counts.get("unauthorized", 0))
 
     def describe(self) -> list[Metric]:
         return []

@@ -2,16 +2,25 @@
 
 One selector thread owns every connection while it waits for a request: it accepts, reads, runs TLS
 handshakes without blocking and closes connections that stay idle (`idle_timeout_seconds`) or take
-too long to send a request (`request_timeout_seconds`). A complete request goes to a small pool of
-worker threads (`workers`) that check basic auth, render the registry and write the response with a
-write timeout, then hand a kept-alive connection back. So a scrape costs no thread of its own and
-an idle connection costs one file descriptor and nothing else.
+too long to send a request (`request_timeout_seconds`). The same thread answers complete requests
+(plain or TLS): it renders the registry and writes what the socket takes at once; the rest of an answer
+waits for the socket to become writable (closed after `write_timeout_seconds`). Only a login that needs
+a bcrypt check and a malformed request go to a small pool of worker threads (`workers`), which answer
+the same way and hand the connection back. So a scrape costs no thread of its own, a client that does
+not read holds no thread, and an idle connection costs one file descriptor and nothing else.
 
 The number of open connections is bounded (`max_connections`, and never more than the process's
 open-file limit allows): past it, the connection idle the longest is closed to make room, so a flood
 of idle connections can delay a scrape by one accept, not stop it. The listen backlog is large
 (`backlog`), so 50 scrapers connecting at once do not wait for SYN retransmits. Accept errors such as
 EMFILE pause accepting briefly instead of spinning a core.
+
+Pipelined requests are bounded and served in turns: a connection is not read again while its buffer
+(at most `max_request_bytes`) still holds a complete request, it gets at most `pipelined_per_turn`
+answers before every other ready connection has had its turn, and a response the client does not read
+waits on the selector for the socket to become writable (closed after `write_timeout_seconds`) without
+holding a thread. Every /metrics answer comes from a `SharedCollection`: requests read in the same
+turn, or pipelined on one connection, share one collection that began after they arrived.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from telemetry.errors import ConfigError, RunError
 from telemetry.exporter.address import format_listen
 from telemetry.exporter.exposition import Renderer
 from telemetry.exporter.protocol import BadRequest, Request, build_response, parse_request, split_head
+from telemetry.exporter.shared_collection import SharedCollection
 from telemetry.exporter.webconfig import WebConfig
 
 log = logging.getLogger("memtel.exporter")
@@ -59,11 +69,13 @@ class ServerLimits:
     write_timeout_seconds: float = 10.0
     backlog: int = 1024
     workers: int = 4
-    max_request_bytes: int = 16384
+    max_request_bytes: int = 16384  # also bounds what one connection can have queued (pipelined requests)
+    pipelined_per_turn: int = 8  # answers one connection gets before the other ready connections get theirs
 
 
 class _Connection:
-    __slots__ = ("buffer", "busy", "close_after", "handshaking", "peer", "pending", "request_started", "since", "sock")
+    __slots__ = ("buffer", "busy", "close_after", "handshaking", "peer", "pending", "queued", "received_at",
+                 "request_started", "since", "sock", "write_started")
 
     def __init__(self, sock: socket.socket, peer: object, now: float, handshaking: bool) -> None:
         self.sock = sock
@@ -73,8 +85,11 @@ class _Connection:
         self.request_started: float | None = now if handshaking else None
         self.busy = False
         self.handshaking = handshaking
-        self.pending = b""  # the rest of a response the socket did not take at once (sent by a worker)
+        self.pending = b""  # the rest of a response the socket did not take at once
         self.close_after = False  # close once `pending` is sent
+        self.write_started: float | None = None  # when `pending` began to wait for the socket
+        self.received_at = now  # when bytes were last read: every request in `buffer` arrived by then
+        self.queued = False  # in the server's ready queue
 
 
 _LISTENER = object()
@@ -94,6 +109,7 @@ class MetricsServer:
                  limits: ServerLimits | None = None, name: str = "memtel") -> None:
         self.registry = registry
         self._renderer = Renderer()
+        self._collection = SharedCollection(lambda: self._renderer.render(self.registry))
         self.health = health
         self.web_config = web_config or WebConfig()
         self.limits = limits or ServerLimits()
@@ -106,6 +122,7 @@ class MetricsServer:
         self._stats_lock = threading.Lock()
         self._conns: set[_Connection] = set()
         self._returned: collections.deque[_Connection] = collections.deque()
+        self._ready: collections.deque[_Connection] = collections.deque()  # complete requests, served in turns
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -134,6 +151,11 @@ class MetricsServer:
         """Connections accepted, closed by reason, requests served, ... since start (for /healthz and tests)."""
         with self._stats_lock:
             return dict(self.stats)
+
+    @property
+    def collections(self) -> int:
+        """How many times /metrics was collected (requests that shared a collection count once)."""
+        return self._collection.runs
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -179,7 +201,8 @@ class MetricsServer:
         next_sweep = time.monotonic() + _SWEEP_SECONDS
         while not self._stopping:
             try:
-                events = self._selector.select(max(0.0, next_sweep - time.monotonic()))
+                wait = 0.0 if self._ready else max(0.0, next_sweep - time.monotonic())
+                events = self._selector.select(wait)
             except OSError as exc:  # should not happen; never spin on it
                 self._log_once(f"select failed: {exc}")
                 time.sleep(0.1)
@@ -197,6 +220,7 @@ class MetricsServer:
                     self._log_once(f"connection handling failed: {type(exc).__name__}: {exc}")
                     if isinstance(data, _Connection):
                         self._close(data, "error")
+            self._serve_ready()
             now = time.monotonic()
             if now >= next_sweep:
                 self._sweep(now)
@@ -259,8 +283,8 @@ class MetricsServer:
         return True
 
     def _on_readable(self, conn: _Connection) -> None:
-        if conn.busy:
-            return
+        if conn.busy or conn.queued:
+            return  # a worker has it, or its buffered requests come first (it is not read meanwhile)
         sock = conn.sock
         if conn.handshaking:
             assert isinstance(sock, ssl.SSLSocket)
@@ -278,10 +302,13 @@ class MetricsServer:
             conn.request_started = None
             conn.since = time.monotonic()
             self._selector.modify(sock, selectors.EVENT_READ, conn)
+        if conn.pending:  # writable again: the rest of a response first, nothing is read meanwhile
+            self._flush(conn)
+            return
         limit = self.limits.max_request_bytes
         while len(conn.buffer) <= limit:
             try:
-                chunk = sock.recv(65536)
+                chunk = sock.recv(min(65536, limit + 1 - len(conn.buffer)))
             except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 break
             except (ssl.SSLError, OSError):
@@ -293,21 +320,50 @@ class MetricsServer:
             if conn.request_started is None:
                 conn.request_started = time.monotonic()
             conn.buffer += chunk
-        if b"\r\n\r\n" in conn.buffer or len(conn.buffer) > limit:
-            if self._answer_here(conn):
-                return
-            self._dispatch(conn)
+        conn.received_at = time.monotonic()
+        self._queue_if_ready(conn)
+
+    def _queue_if_ready(self, conn: _Connection) -> None:
+        if not conn.queued and (b"\r\n\r\n" in conn.buffer or len(conn.buffer) > self.limits.max_request_bytes):
+            conn.queued = True
+            self._ready.append(conn)
+
+    def _serve_ready(self) -> None:
+        """One turn: each connection queued before it began answers up to `pipelined_per_turn` requests."""
+        for _ in range(len(self._ready)):
+            conn = self._ready.popleft()
+            conn.queued = False
+            if conn not in self._conns or conn.busy:
+                continue
+            try:
+                if not self._answer_here(conn):
+                    self._dispatch(conn)
+                else:
+                    self._read_tls_buffer(conn)
+            except Exception as exc:  # one bad connection must never stop the server
+                self._log_once(f"connection handling failed: {type(exc).__name__}: {exc}")
+                self._close(conn, "error")
+
+    def _read_tls_buffer(self, conn: _Connection) -> None:
+        """Read what TLS has decrypted already: select() cannot see it (it is in the SSL object, not the socket),
+        and a connection that had more than its buffer's bound pipelined would otherwise wait for new bytes."""
+        sock = conn.sock
+        if (isinstance(sock, ssl.SSLSocket) and not conn.queued and not conn.busy and not conn.pending
+                and not conn.handshaking and conn in self._conns and sock.pending()):
+            self._on_readable(conn)
 
     def _answer_here(self, conn: _Connection) -> bool:
-        """Answer plain-HTTP requests without basic auth on this thread (no hand-over to a worker and back).
+        """Answer requests on this thread (no hand-over to a worker and back), plain HTTP or TLS.
 
-        Rendering takes milliseconds; the response is written without blocking, and whatever the socket does
-        not take at once goes to a worker (`pending`), so a client that does not read cannot stall this
-        thread. TLS and basic auth (a bcrypt check takes ~70 ms) always go to a worker. False: hand over.
+        Rendering takes milliseconds and is shared (`SharedCollection`); the response is written without
+        blocking, and whatever the socket does not take at once waits for the socket to become writable
+        (`_flush`), so a client that does not read holds neither this thread nor a worker. At most
+        `pipelined_per_turn` requests are answered; the connection then queues behind the others. A login
+        that needs a bcrypt check (~70 ms; `BasicAuth.answered_without_bcrypt`) and a malformed request go to
+        a worker, so a flood of new wrong passwords delays no scraper whose login is cached. False: hand over.
         """
-        if self.web_config.tls is not None or self.web_config.basic_auth is not None:
-            return False
-        while True:
+        auth = self.web_config.basic_auth
+        for _ in range(self.limits.pipelined_per_turn):
             head_and_rest = split_head(conn.buffer)
             if head_and_rest is None:
                 return len(conn.buffer) <= self.limits.max_request_bytes  # an oversize head: a worker says 431
@@ -318,26 +374,54 @@ class MetricsServer:
                 request = parse_request(head)
             except BadRequest:
                 return False  # a worker answers it with its status and closes
+            if auth is not None and not auth.answered_without_bcrypt(request.headers.get("authorization")):
+                return False
             conn.buffer = bytearray(rest)
             keep_alive = request.keep_alive and not self._stopping
-            data = self._respond(request, keep_alive)
+            data = self._respond(request, keep_alive, conn.received_at)
             try:
-                sent = conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
+                sent_all = self._send(conn, data, keep_alive)
+            except OSError:  # ssl.SSLError too
                 self._close(conn, "reset")
                 return True
-            if sent < len(data):
-                conn.pending, conn.close_after = data[sent:], not keep_alive
-                self._count("partial_writes")
-                return False
+            if not sent_all:
+                self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+                return True
             if not keep_alive:
                 self._close(conn, "done")
                 return True
             now = time.monotonic()
             conn.since = now
             conn.request_started = now if conn.buffer else None
+        self._queue_if_ready(conn)  # more pipelined requests: after every other ready connection
+        return True
+
+    def _flush(self, conn: _Connection) -> None:
+        """Send more of `pending` (the socket is writable); once all is sent, serve or read again."""
+        try:
+            sent = conn.sock.send(conn.pending)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
+            return
+        except ssl.SSLWantReadError:  # TLS needs the peer's data first: wait for it, not for a writable socket
+            self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+            return
+        except OSError:
+            self._close(conn, "reset")
+            return
+        conn.pending = conn.pending[sent:]
+        if conn.pending:
+            self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            return
+        conn.write_started = None
+        if conn.close_after or self._stopping:
+            self._close(conn, "done")
+            return
+        now = time.monotonic()
+        conn.since = now
+        conn.request_started = now if conn.buffer else None
+        self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+        self._queue_if_ready(conn)
+        self._read_tls_buffer(conn)
 
     def _dispatch(self, conn: _Connection) -> None:
         conn.busy = True
@@ -360,7 +444,12 @@ class MetricsServer:
                 self._close(conn, "stopped", unregister=False)
             else:
                 conn.busy = False
-                self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+                if conn.pending:  # the rest of an answer: sent when the socket takes it, nothing read meanwhile
+                    self._selector.register(conn.sock, selectors.EVENT_WRITE, conn)
+                else:
+                    self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+                    self._queue_if_ready(conn)  # requests left after a worker's turn
+                    self._read_tls_buffer(conn)
 
     def _sweep(self, now: float) -> None:
         if self._accept_paused_until and now >= self._accept_paused_until:
@@ -368,10 +457,14 @@ class MetricsServer:
             self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
         idle_limit = self.limits.idle_timeout_seconds
         request_limit = self.limits.request_timeout_seconds
+        write_limit = self.limits.write_timeout_seconds
         for conn in list(self._conns):
             if conn.busy:
                 continue
-            if conn.request_started is not None:
+            if conn.write_started is not None:
+                if now - conn.write_started > write_limit:
+                    self._close(conn, "write_timeout")
+            elif conn.request_started is not None:
                 if now - conn.request_started > request_limit:
                     self._close(conn, "request_timeout")
             elif now - conn.since > idle_limit:
@@ -397,21 +490,18 @@ class MetricsServer:
 
     # -- worker threads ------------------------------------------------------------------------------
     def _answer(self, conn: _Connection) -> None:
-        """Answer every complete request in the buffer, then hand the connection back or close it."""
+        """Answer up to `pipelined_per_turn` complete requests in the buffer, then hand the connection back
+        (the selector thread queues it again if requests are left, or waits for the socket to take the rest
+        of an answer: `pending`) or close it. A worker never waits for a client to read."""
         keep_alive = True
         try:
-            if conn.pending:  # the rest of a response begun on the selector thread
-                data, conn.pending = conn.pending, b""
-                self._send(conn, data)
-                keep_alive = not conn.close_after and not self._stopping
-                conn.since = time.monotonic()
-                conn.request_started = conn.since if conn.buffer else None
-            while keep_alive:
+            for _ in range(self.limits.pipelined_per_turn):
                 head_and_rest = split_head(conn.buffer)
                 if head_and_rest is None:
                     if len(conn.buffer) > self.limits.max_request_bytes:
-                        self._send(conn, build_response(431, b"request head too large\n", _TEXT, keep_alive=False))
-                    keep_alive = keep_alive and len(conn.buffer) <= self.limits.max_request_bytes
+                        keep_alive = False
+                        self._send(conn, build_response(431, b"request head too large\n", _TEXT, keep_alive=False),
+                                   keep_alive)
                     break
                 head, rest = head_and_rest
                 conn.buffer = bytearray(rest)
@@ -421,37 +511,47 @@ class MetricsServer:
                     request = parse_request(head)
                 except BadRequest as exc:
                     self._count("bad_requests")
-                    self._send(conn, build_response(exc.status, f"{exc}\n".encode(), _TEXT, keep_alive=False))
                     keep_alive = False
+                    self._send(conn, build_response(exc.status, f"{exc}\n".encode(), _TEXT, keep_alive=False),
+                               keep_alive)
                     break
                 keep_alive = request.keep_alive and not self._stopping
-                self._send(conn, self._respond(request, keep_alive))
+                if not self._send(conn, self._respond(request, keep_alive, conn.received_at), keep_alive):
+                    break  # the rest waits on the selector thread for the socket
                 if not keep_alive:
                     break
                 conn.request_started = time.monotonic() if conn.buffer else None
                 conn.since = time.monotonic()
-        except (OSError, ValueError) as exc:  # a client gone, a write timeout, a TLS error
+        except (OSError, ValueError) as exc:  # a client gone, a TLS error
             self._count("write_failed")
             log.debug("answering %s failed: %s", conn.peer, exc)
-            keep_alive = False
+            keep_alive, conn.pending = False, b""
         except Exception as exc:  # never let a worker die silently
             self._log_once(f"answering a request failed: {type(exc).__name__}: {exc}")
-            keep_alive = False
-        if not keep_alive or self._stopping:
+            keep_alive, conn.pending = False, b""
+        if (not keep_alive and not conn.pending) or self._stopping:
             with contextlib.suppress(OSError):
                 conn.sock.close()  # now, so the client sees the end at once; the selector thread forgets it
         self._returned.append(conn)
         self._wake()
 
-    def _send(self, conn: _Connection, data: bytes) -> None:
-        sock = conn.sock
-        sock.settimeout(self.limits.write_timeout_seconds)
-        try:
-            sock.sendall(data)
-        finally:
-            sock.setblocking(False)
+    def _send(self, conn: _Connection, data: bytes, keep_alive: bool) -> bool:
+        """Write what the socket takes now, without waiting; False: the rest is left in `pending` (and the
+        connection closes after it unless `keep_alive`), for the selector thread to send when it can."""
+        view = memoryview(data)
+        while view:
+            try:
+                sent = conn.sock.send(view)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                break
+            view = view[sent:]
+        if not view:
+            return True
+        conn.pending, conn.close_after, conn.write_started = bytes(view), not keep_alive, time.monotonic()
+        self._count("partial_writes")
+        return False
 
-    def _respond(self, request: Request, keep_alive: bool) -> bytes:
+    def _respond(self, request: Request, keep_alive: bool, arrived: float) -> bytes:
         headers = self.web_config.headers
         head_only = request.method == "HEAD"
         if request.method not in ("GET", "HEAD"):
@@ -463,15 +563,15 @@ class MetricsServer:
             return build_response(401, b"Unauthorized\n", _TEXT, keep_alive=keep_alive, version=request.version,
                                   head_only=head_only, extra_headers=(("WWW-Authenticate", 'Basic realm="memtel"'),
                                                                       *headers))
-        status, body, content_type = self._route(request.path)
+        status, body, content_type = self._route(request.path, arrived)
         self._count("requests")
         return build_response(status, body, content_type, keep_alive=keep_alive, version=request.version,
                               head_only=head_only, extra_headers=headers)
 
-    def _route(self, path: str) -> tuple[int, bytes, str]:
+    def _route(self, path: str, arrived: float) -> tuple[int, bytes, str]:
         if path == "/metrics":
             try:
-                return 200, self._renderer.render(self.registry), CONTENT_TYPE_LATEST
+                return 200, self._collection.body(arrived), CONTENT_TYPE_LATEST
             except Exception as exc:  # collectors are isolated by their wrapper; this is a last guard
                 log.exception("rendering /metrics failed")
                 return 500, f"rendering metrics failed: {exc}\n".encode(), _TEXT

@@ -32,6 +32,7 @@ from typing import Any
 
 from telemetry.errors import ConfigError
 from telemetry.exporter.auth import BasicAuth
+from telemetry.validate import Validator, join, kind
 
 WEB_CONFIG_ENV = "MEMTEL_WEB_CONFIG"  # the hook's way to name a web config file (the daemon has --web-config)
 
@@ -67,17 +68,14 @@ class WebConfig:
         return ", ".join(parts)
 
 
+_FIELDS = Validator(None)  # the paths below start with the file's name (`web.yml: tls_server_config`)
+
+
 def _section(data: Any, allowed: tuple[str, ...], unsupported: tuple[str, ...], where: str) -> dict[str, Any]:
     if data is None:
         return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-    for key in data:
-        if key in unsupported:
-            raise ConfigError(f"{where}.{key}: not supported by memtel's exporter (supported: {', '.join(allowed)})")
-        if key not in allowed:
-            raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {', '.join(allowed)}")
-    return data
+    reason = f"not supported by memtel's exporter (supported: {', '.join(allowed)})"
+    return _FIELDS.mapping(data, where, (), allowed, dict.fromkeys(unsupported, reason))
 
 
 def _string(data: dict[str, Any], key: str, where: str) -> str:
@@ -85,7 +83,7 @@ def _string(data: dict[str, Any], key: str, where: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise ConfigError(f"{where}.{key}: expected a string, got {type(value).__name__}")
+        raise _FIELDS.fail(join(where, key), f"expected a string, got {kind(value)}")
     return value
 
 

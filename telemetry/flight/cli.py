@@ -1,11 +1,13 @@
 """`memtel flight show`: print or plot the flight recorder's records (this boot's or the previous one's).
 
     memtel flight show [--state-dir DIR] [--boot previous|current] [--last 120s] [--json|--csv] [--plot FILE.png]
+    memtel flight show --file PATH ...       (any ring file, e.g. one the daemon moved aside as damaged)
 
 The default output is a table of the signals that tell how a boot ended (headroom, MemAvailable,
 contiguous free memory, unaccounted memory, GPU power, kernel-log counters); `--json` (one object per
 line) and `--csv` give every recorded series. Torn or corrupt records are skipped with one line on
-stderr. Reading never changes the ring.
+stderr; a ring whose header is damaged is read record by record (one line on stderr says so). Reading
+never changes the ring.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from telemetry.errors import ConfigError, RunError
 from telemetry.flight.duration import parse_duration
 from telemetry.flight.recorder import CURRENT_RING, HEADROOM_SERIES, PREVIOUS_RING
 from telemetry.flight.ring import Record, RingContents, RingFormatError, read_ring
+from telemetry.procfs.headroom import FALLING
 
 GIB = 1024**3
 # (column title, series, scale): the table's columns; a series a record lacks shows as "-".
@@ -44,10 +47,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="flight_action", metavar="ACTION")
     show = actions.add_parser("show", help="print or plot the recorded records",
                               description="Print or plot the flight recorder's records.")
-    show.add_argument("--state-dir", metavar="DIR",
-                      help="the daemon's state directory (default: the daemon's default; the ring is in DIR/flight)")
-    show.add_argument("--boot", choices=("current", "previous"), default="current",
-                      help="this boot's ring, or the ring of the boot before (default current)")
+    where = show.add_mutually_exclusive_group()
+    where.add_argument("--state-dir", metavar="DIR",
+                       help="the daemon's state directory (default: the daemon's default; the ring is in DIR/flight)")
+    where.add_argument("--file", metavar="PATH",
+                       help="read this ring file instead (e.g. a ring the daemon moved aside: current.ring.corrupt-*)")
+    show.add_argument("--boot", choices=("current", "previous"),
+                      help="this boot's ring, or the ring of the boot before (default current; not with --file)")
     show.add_argument("--last", metavar="DURATION", help="only the last DURATION before the newest record (e.g. 120s)")
     output = show.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="one JSON object per record, every series")
@@ -65,15 +71,18 @@ def ring_path(state_dir: str | None, boot: str) -> Path:
     return directory / (PREVIOUS_RING if boot == "previous" else CURRENT_RING)
 
 
-def load(path: Path, boot: str) -> RingContents:
+def load(path: Path, boot: str | None) -> RingContents:
     if not os.path.lexists(path):
         hint = ("no ring of an earlier boot has been kept yet" if boot == "previous"
+                else "expected a ring file written by the flight recorder" if boot is None
                 else "the recorder runs when `memtel daemon` is given --state-dir")
         raise ConfigError(f"no flight ring at {path} ({hint})")
     try:
         return read_ring(path)
     except RingFormatError as exc:
         raise RunError(f"{path} is not a readable flight ring: {exc}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory; expected a ring file") from None
     except OSError as exc:
         raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
 
@@ -132,6 +141,22 @@ def as_csv(records: list[Record], out) -> None:
                                                           for k in keys)])
 
 
+MEM_TOTAL_SERIES = "memtel_node_mem_total_bytes"
+# The floor of MemtelUnifiedHeadroomLow: dashboards/prometheus/memtel-alerts.yml records it as
+# memtel:unified_headroom_low_threshold_bytes (tests/daemon/test_flight_plot.py holds the two together).
+HEADROOM_LOW_FLOOR_BYTES = 4 * GIB
+
+
+def headroom_floor_bytes(records: list[Record]) -> float | None:
+    """The floor of MemtelUnifiedHeadroomFalling (below it a fall counts): `floor_ratio` × MemTotal of the newest
+    record that has MemTotal; None where no record has it."""
+    for record in reversed(records):
+        total = record.values.get(MEM_TOTAL_SERIES)
+        if total is not None:
+            return FALLING.floor_ratio * total
+    return None
+
+
 def plot(contents: RingContents, records: list[Record], path: str) -> None:
     target = Path(path)
     if target.is_dir() or not target.name:
@@ -148,29 +173,7 @@ def plot(contents: RingContents, records: list[Record], path: str) -> None:
             from None
     if not records:
         raise RunError("--plot: no records to plot")
-    newest = records[-1].time
-    seconds = [r.time - newest for r in records]
-    figure, axes = plt.subplots(figsize=(10, 5))
-    for title, series, scale in TABLE_COLUMNS[:4]:
-        points = [(s, r.values[series] / scale) for s, r in zip(seconds, records, strict=False) if series in r.values]
-        if points:
-            axes.plot([p[0] for p in points], [p[1] for p in points], label=title.replace(" GiB", ""))
-    nv_err = [(s, r.values.get("memtel_kernel_nv_err_no_memory_total")) for s, r in zip(seconds, records, strict=False)]
-    for (_, before), (s, after) in itertools.pairwise(nv_err):
-        if before is not None and after is not None and after > before:
-            axes.axvline(s, color="red", alpha=0.3, linewidth=1)
-    axes.set_xlabel("seconds before the last record")
-    axes.set_ylabel("GiB")
-    axes.set_title(f"memtel flight recorder, boot {contents.header.boot_id} (red: NV_ERR_NO_MEMORY lines)")
-    axes.legend(loc="best")
-    axes.grid(alpha=0.3)
-    power = [(s, power_watts(r)) for s, r in zip(seconds, records, strict=False)]
-    if any(w is not None for _, w in power):
-        twin = axes.twinx()
-        twin.plot([s for s, w in power if w is not None], [w for _, w in power if w is not None], color="gray",
-                  linestyle=":", label="GPU power")
-        twin.set_ylabel("GPU power W")
-    figure.tight_layout()
+    figure = draw(plt, contents, records)
     try:
         figure.savefig(target)
     except OSError as exc:
@@ -179,15 +182,71 @@ def plot(contents: RingContents, records: list[Record], path: str) -> None:
         plt.close(figure)
 
 
+def draw(plt, contents: RingContents, records: list[Record]):  # -> matplotlib Figure
+    """The plot's figure: headroom on top of the other memory series, the falling-alert floor, NV_ERR marks,
+    GPU power on a second axis drawn beneath the first."""
+    newest = records[-1].time
+    seconds = [r.time - newest for r in records]
+    figure, axes = plt.subplots(figsize=(10, 5))
+    # The headroom often equals MemAvailable or the contiguous memory: it is drawn on top (zorder), thick and
+    # dashed, and the others thin beneath it, so it is never hidden under them.
+    for title, series, scale in TABLE_COLUMNS[:4]:
+        points = [(s, r.values[series] / scale) for s, r in zip(seconds, records, strict=False) if series in r.values]
+        if not points:
+            continue
+        style = ({"color": "black", "linewidth": 2.4, "linestyle": (0, (6, 3)), "zorder": 5}
+                 if series == HEADROOM_SERIES else {"linewidth": 1.2, "alpha": 0.85, "zorder": 3})
+        axes.plot([p[0] for p in points], [p[1] for p in points], label=title.replace(" GiB", ""), **style)
+    axes.axhline(HEADROOM_LOW_FLOOR_BYTES / GIB, color="tab:red", linestyle="--", linewidth=1.3, zorder=4,
+                 label=f"headroom floor ({HEADROOM_LOW_FLOOR_BYTES / GIB:g} GiB, MemtelUnifiedHeadroomLow)")
+    floor = headroom_floor_bytes(records)
+    if floor is not None:
+        axes.axhline(floor / GIB, color="tab:purple", linestyle=":", linewidth=1.5, zorder=4,
+                     label=f"falling-alert floor ({FALLING.floor_ratio:.0%} of MemTotal)")
+    nv_err = [(s, r.values.get("memtel_kernel_nv_err_no_memory_total")) for s, r in zip(seconds, records, strict=False)]
+    for (_, before), (s, after) in itertools.pairwise(nv_err):
+        if before is not None and after is not None and after > before:
+            axes.axvline(s, color="red", alpha=0.3, linewidth=1)
+    axes.set_xlabel("seconds before the last record")
+    axes.set_ylabel("GiB")
+    axes.set_title(f"memtel flight recorder, boot {contents.header.boot_id} (red: NV_ERR_NO_MEMORY lines)")
+    axes.grid(alpha=0.3)
+    handles, labels = axes.get_legend_handles_labels()
+    power = [(s, power_watts(r)) for s, r in zip(seconds, records, strict=False)]
+    if any(w is not None for _, w in power):
+        twin = axes.twinx()
+        twin.plot([s for s, w in power if w is not None], [w for _, w in power if w is not None], color="gray",
+                  linestyle=":", label="GPU power (right axis)")
+        twin.set_ylabel("GPU power W")
+        # A twin axis is drawn over the first one: put the memory series back on top (transparent background).
+        axes.set_zorder(twin.get_zorder() + 1)
+        axes.patch.set_visible(False)
+        more_handles, more_labels = twin.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    axes.legend(handles, labels, loc="best")
+    figure.tight_layout()
+    return figure
+
+
 def run(args: argparse.Namespace) -> int:
     if args.flight_action != "show":
-        print("memtel flight: choose an action: show (see memtel flight show --help)", file=sys.stderr)
-        return 2
+        raise ConfigError("choose an action: show (see memtel flight show --help)")
     seconds = parse_duration(args.last, "--last") if args.last is not None else None
-    path = ring_path(args.state_dir, args.boot)
-    contents = load(path, args.boot)
+    if args.file is not None:
+        if args.boot is not None:
+            raise ConfigError("--boot chooses a ring in the state directory; --file names the ring itself: "
+                              "give one of them")
+        path = Path(args.file)
+        contents = load(path, None)
+    else:
+        path = ring_path(args.state_dir, args.boot or "current")
+        contents = load(path, args.boot or "current")
+    if contents.header_damage is not None:
+        print(f"memtel flight: warning: {path}: the header is damaged ({contents.header_damage}); "
+              f"{len(contents.records)} record(s) whose own checksums hold were recovered (boot id unknown)",
+              file=sys.stderr)
     if contents.corrupt or contents.problems:
-        print(f"memtel flight: {path}: skipped {contents.corrupt} torn or corrupt record(s)"
+        print(f"memtel flight: warning: {path}: skipped {contents.corrupt} torn or corrupt record(s)"
               + (f" ({'; '.join(contents.problems)})" if contents.problems else ""), file=sys.stderr)
     records = select_last(contents.records, seconds)
     if args.plot:

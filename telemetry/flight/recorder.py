@@ -8,7 +8,9 @@ Files, in `<state dir>/flight/` (a private directory, created 0700):
   record made durable with fdatasync before the next one is taken);
 - `previous.ring`: the ring of the boot before, moved there when the daemon first starts in a new boot
   (boot id from /proc/sys/kernel/random/boot_id), so the last records before a crash survive the
-  next boot's recording. A ring whose header is unreadable is moved aside (`.corrupt-<time>`).
+  next boot's recording. A ring whose header is unreadable is moved aside (`.corrupt-<time>`); its records
+  are still read (each has its own checksum): `memtel flight show --file <the moved-aside file>`, and a
+  previous.ring's records still give the last boot's summary.
 
 The recorder never stops the daemon: a failure to create or write the ring (a full or read-only file
 system, an unsafe directory) is counted in `memtel_flight_write_failures_total`, sets
@@ -179,6 +181,17 @@ class FlightRecorder:
                 log.warning("flight recorder: %s is not a usable ring (%s) and cannot be moved aside: %s",
                             path, reason, move_exc.strerror)
             return None
+        if contents.header_damage is not None:  # no writer can use it; its records stay readable where it goes
+            try:
+                aside = move_aside(path)
+            except OSError as move_exc:
+                log.warning("flight recorder: %s has a damaged header (%s) and cannot be moved aside: %s", path,
+                            contents.header_damage, move_exc.strerror)
+                return None
+            log.warning("flight recorder: %s has a damaged header (%s); %d record(s) whose checksums hold were "
+                        "recovered; moved aside to %s (read it with: memtel flight show --file %s)", path,
+                        contents.header_damage, len(contents.records), aside, aside)
+            return contents if path == self.previous_path else None  # whose boot the current ring was: unknown
         _describe(contents, path.name)
         return contents
 

@@ -16,10 +16,14 @@ or not, as a whole, when the writer is killed.
 
 Reading is defensive (the file may be damaged or hostile): every length is bounded, a slot that starts
 with the record magic but fails its checks is counted as corrupt and skipped, an empty slot is not.
+A damaged header does not hide the records: each record carries its own sequence number and checksum,
+and slots start on 4 KiB boundaries, so `read_ring` then scans every such boundary and keeps each record
+whose checksum holds (`RingContents.header_damage` says why; boot id and geometry are then unknown).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -153,14 +157,25 @@ class RingContents:
     records: list[Record] = field(default_factory=list)  # oldest first, each sequence number once
     corrupt: int = 0  # slots that started like a record but failed their checks (torn, damaged)
     problems: list[str] = field(default_factory=list)  # what was wrong, for one log line
+    header_damage: str | None = None  # why the header was unreadable; the records were found by a scan
 
 
 def read_header(fd: int) -> RingHeader:
     return RingHeader.decode(os.pread(fd, HEADER_BYTES, 0))
 
 
+UNKNOWN_BOOT_ID = "unknown (header damaged)"
+_SCAN_CHUNK = 1 << 20
+_SCAN_GIVE_UP = 1024  # damaged records after which a scan stops
+
+
 def read_ring_fd(fd: int) -> RingContents:
-    header = read_header(fd)
+    """Every valid record; with a damaged header, every record found by `scan_records` (RingFormatError
+    only when the header is damaged and no record is found: then it is not a ring at all)."""
+    try:
+        header = read_header(fd)
+    except RingFormatError as exc:
+        return scan_records(fd, str(exc))
     contents = RingContents(header)
     size = os.fstat(fd).st_size
     if size > header.file_bytes:
@@ -187,6 +202,102 @@ def read_ring_fd(fd: int) -> RingContents:
         by_seq[record.seq] = record
     contents.records = [by_seq[seq] for seq in sorted(by_seq)]
     return contents
+
+
+def scan_records(fd: int, header_damage: str) -> RingContents:
+    """The records of a ring whose header cannot be read: every 4 KiB boundary past the header that holds a
+    record whose own checksum holds. Each sequence number is kept once (a second copy counts as corrupt).
+    If the file lost or gained bytes before its slots (so no boundary holds a record), the boundaries are
+    taken from the first record found anywhere (a bounded search)."""
+    size = min(os.fstat(fd).st_size, HEADER_BYTES + MAX_SLOTS * MAX_SLOT_BYTES)
+    contents = _scan_from(fd, HEADER_BYTES, size, header_damage)
+    if not contents.records:
+        start = _first_record_anywhere(fd, size)
+        if start is not None:
+            contents = _scan_from(fd, start % MIN_SLOT_BYTES or MIN_SLOT_BYTES, size, header_damage)
+    if not contents.records:
+        raise RingFormatError(f"{header_damage}, and no record was found in the file")
+    return contents
+
+
+def _try_record(fd: int, at: int) -> tuple[Record | None, int, str | None]:
+    """(record, its length on disk, why it was rejected) for the bytes at `at`, which start with the magic."""
+    length = _RECORD_HEAD.unpack_from(os.pread(fd, RECORD_OVERHEAD, at))[1]
+    data = os.pread(fd, RECORD_OVERHEAD + min(length, MAX_SLOT_BYTES - RECORD_OVERHEAD), at)
+    try:
+        return decode_slot(data), RECORD_OVERHEAD + length, None
+    except CorruptRecordError as exc:
+        return None, 0, str(exc)
+
+
+def _scan_from(fd: int, first: int, size: int, header_damage: str) -> RingContents:
+    found: list[tuple[int, Record]] = []  # (offset, record)
+    by_seq: dict[int, Record] = {}
+    corrupt = 0
+    problems: list[str] = []
+    offset = first
+    while offset + RECORD_OVERHEAD <= size:
+        chunk = os.pread(fd, min(_SCAN_CHUNK, size - offset), offset)
+        if not chunk:
+            break
+        position = 0
+        while position < len(chunk):
+            if chunk[position:position + 4] != RECORD_MAGIC or offset + position + RECORD_OVERHEAD > size:
+                position += MIN_SLOT_BYTES
+                continue
+            record, used, problem = _try_record(fd, offset + position)
+            if record is None or record.seq in by_seq:
+                corrupt += 1
+                if corrupt <= 3:
+                    problems.append(problem or f"record {record.seq if record else '?'} found twice")
+                if corrupt >= _SCAN_GIVE_UP:  # each costs up to a slot's read and checksum: bound the total
+                    problems.append(f"scan stopped after {corrupt} damaged records")
+                    offset = size
+                    break
+                position += MIN_SLOT_BYTES
+                continue
+            by_seq[record.seq] = record
+            found.append((offset + position, record))
+            position += -(-used // MIN_SLOT_BYTES) * MIN_SLOT_BYTES  # no other record starts inside this one
+        offset += position
+    records = [by_seq[seq] for seq in sorted(by_seq)]
+    header = _guessed_header(found, records, size, first)
+    return RingContents(header, records, corrupt, problems, header_damage)
+
+
+def _first_record_anywhere(fd: int, size: int, attempts: int = 256) -> int | None:
+    """The offset of the first valid record at any byte offset; at most `attempts` candidates are checked,
+    so a file full of the magic costs bounded time."""
+    offset = 0
+    while offset + RECORD_OVERHEAD <= size and attempts > 0:
+        chunk = os.pread(fd, min(_SCAN_CHUNK, size - offset), offset)
+        position = chunk.find(RECORD_MAGIC)
+        while position >= 0 and attempts > 0:
+            if offset + position + RECORD_OVERHEAD <= size:
+                attempts -= 1
+                if _try_record(fd, offset + position)[0] is not None:
+                    return offset + position
+            position = chunk.find(RECORD_MAGIC, position + 1)
+        if len(chunk) < _SCAN_CHUNK:
+            break
+        offset += len(chunk) - 3  # a magic split between two chunks is still found
+    return None
+
+
+def _guessed_header(found: list[tuple[int, Record]], records: list[Record], size: int, first: int) -> RingHeader:
+    """A stand-in header for scanned records: the largest slot size that every record's offset fits, the
+    slots the file holds of it, the median interval between consecutive records; the boot id is unknown."""
+    slot_bytes = MAX_SLOT_BYTES
+    while slot_bytes > MIN_SLOT_BYTES and (any((at - first) % slot_bytes for at, _ in found)
+                                           or (size - first) // slot_bytes < max(2, len(found))):
+        slot_bytes //= 2
+    slots = min(MAX_SLOTS, max(2, (size - first) // slot_bytes))
+    steps = sorted((b.time - a.time) / (b.seq - a.seq) for a, b in itertools.pairwise(records)
+                   if b.time > a.time)
+    interval = steps[len(steps) // 2] if steps else 0.0
+    created = records[0].time if records else 0.0
+    return RingHeader(boot_id=UNKNOWN_BOOT_ID, slots=slots, slot_bytes=slot_bytes, interval_seconds=interval,
+                      created=created)
 
 
 def read_ring(path: str | os.PathLike[str]) -> RingContents:

@@ -48,7 +48,7 @@ class CudaAllocatorReader:
         self._torch: Any = None
         self.device = "cpu"             # "cuda:N" once bound (the record's `device`)
         self.kind: str | None = None    # which reader (NESTED_BINDING or PUBLIC_MEMORY_STATS) once bound
-        self._last: tuple[tuple | None, AllocatorCounters | None] = (None, None)   # replaced whole (threads)
+        self._last: tuple[tuple[Any, ...] | None, AllocatorCounters | None] = (None, None)   # replaced whole (threads)
 
     def reset(self) -> None:
         """Forget the device (after fork: the child has no CUDA context of its own yet)."""
@@ -83,6 +83,12 @@ class CudaAllocatorReader:
             last = self._last = (values, _new_counters(AllocatorCounters, values))
         return last[1]
 
+    @property
+    def bound_device(self) -> int | None:
+        """The CUDA device index this reader is bound to (by a read in a hooked call's or an engine signal's
+        thread, whose current device is the rank's), None before: another thread must not bind it."""
+        return self._device if self._binding is not None else None
+
     def _bind(self) -> Callable[[int], Any] | None:
         torch = self._torch or sys.modules.get("torch")
         if torch is None or not hasattr(torch, "cuda"):
@@ -91,7 +97,7 @@ class CudaAllocatorReader:
         # Asking for the current device before CUDA is initialized would initialize it.
         if not torch.cuda.is_initialized():
             return None
-        binding = getattr(torch._C, "_cuda_memoryStats", None)
+        binding: Callable[[int], Any] | None = getattr(torch._C, "_cuda_memoryStats", None)
         kind = NESTED_BINDING
         if binding is None:
             binding = torch.cuda.memory_stats

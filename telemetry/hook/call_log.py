@@ -27,18 +27,18 @@ from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from telemetry.allocator_counters import FIELDS, AllocatorCounters
+from telemetry.catalogue.fields import CALL_LOG_KEYS
 
 FILE_PREFIX = "memtel-calls-rank"
 FILE_GLOB = "memtel-calls-rank*-pid*.jsonl"  # a process's current file (segments: `call_log_files`)
 _ANY_FILE_GLOB = "memtel-calls-rank*-pid*.jsonl*"
 _FILE_NAME = re.compile(r"memtel-calls-rank(\d+)-pid(\d+)(?:\.(\d{4,}))?\.jsonl(\.gz)?")
 
-# Keys of a record, in the order they are written.
-KEYS = ("ts", "call", "site", "rank", "pid", "node", "device", *FIELDS, "mem_available_bytes", "swap_free_bytes",
-        "shape")
+# Keys of a record, in the order they are written (the catalogue's, telemetry/catalogue/fields.py).
+KEYS = CALL_LOG_KEYS
 
 
 def log_file_name(rank: int, pid: int) -> str:
@@ -55,7 +55,7 @@ def log_file_path(log_dir: str, rank: int, pid: int) -> str:
     return os.path.join(log_dir, log_file_name(rank, pid))
 
 
-def _open_text(path: str | Path):
+def _open_text(path: str | Path) -> TextIO:
     if str(path).endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8", errors="replace")
     return open(path, encoding="utf-8", errors="replace")
@@ -165,11 +165,11 @@ class CallColumns:
     files' first calls do; sort by (ts, pid, call) where processes may overlap in time.
     """
 
-    ts: array = field(default_factory=lambda: array("d"))
-    pid: array = field(default_factory=lambda: array("q"))
-    call: array = field(default_factory=lambda: array("q"))
-    reserved_bytes: array = field(default_factory=lambda: array("q"))
-    num_device_alloc: array = field(default_factory=lambda: array("q"))
+    ts: array[float] = field(default_factory=lambda: array("d"))
+    pid: array[int] = field(default_factory=lambda: array("q"))
+    call: array[int] = field(default_factory=lambda: array("q"))
+    reserved_bytes: array[int] = field(default_factory=lambda: array("q"))
+    num_device_alloc: array[int] = field(default_factory=lambda: array("q"))
 
     def __len__(self) -> int:
         return len(self.ts)

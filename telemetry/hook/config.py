@@ -114,6 +114,8 @@ class HookConfig:
     max_queue: int = 65536          # records waiting for the writer, at most; more are dropped and counted
     # Targets whose return means the model is loaded: targets still unresolved then are reported.
     model_loaded: tuple[str, ...] = ()
+    # Targets whose return means the engine allocated its KV cache or captured its graphs (presets.ENGINE_MEMORY).
+    engine_memory: tuple[str, ...] = ()
     # Also report unresolved targets this long after install (None: only at model_loaded).
     unresolved_after_s: float | None = DEFAULT_UNRESOLVED_AFTER_S
     # Also report them when a process makes its first hooked call (memtel run sets it: docs/hook.md).
@@ -135,6 +137,7 @@ class HookConfig:
         set_ = object.__setattr__  # frozen: normalise once, here
         set_(self, "targets", _target_names(self.targets, presets_allowed=True))
         set_(self, "model_loaded", _target_names(self.model_loaded, presets_allowed=False, empty_ok=True))
+        set_(self, "engine_memory", _target_names(self.engine_memory, presets_allowed=False, empty_ok=True))
         port = self.port
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
             raise ConfigError(f"port must be an integer in 1..65535 (or None for no exporter), got {port!r}")

@@ -22,7 +22,7 @@ from typing import Any
 _is_compiling: Callable[[], bool] | None = None
 _cuda: Any = None  # torch.cuda once bound
 _is_capturing: Callable[[], bool] | None = None
-_current_stream: Callable[[int], tuple] | None = None
+_current_stream: Callable[[int], tuple[int, ...]] | None = None
 _cuda_ready = False  # CUDA seen initialized (it never goes back, except in a forked child: reset())
 
 

@@ -37,6 +37,8 @@ import os
 import threading
 import time
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 from telemetry.allocator_counters import AllocatorCounters
 from telemetry.hook.call_log import log_file_name, segment_file_name  # file names, beside the log's reader
@@ -77,7 +79,7 @@ class CallLogWriter:
         """What belongs to one process: a forked child starts again from here."""
         self.written = 0      # records that reached the file whole
         self._queue: collections.deque[str] = collections.deque()
-        self._early: list[tuple] = []   # records pushed before open() finished (another thread's first call)
+        self._early: list[tuple[Any, ...]] = []   # records pushed before open() finished (another thread's first call)
         self._wake = threading.Event()
         self._stop = False
         self._io_lock = threading.RLock()  # re-entrant: a SIGTERM flush may interrupt a flush
@@ -289,7 +291,7 @@ class CallLogWriter:
         self._reset_process_state()
 
 
-def _compress_segment(segment: str, warn) -> None:
+def _compress_segment(segment: str, warn: Callable[[str, int], None]) -> None:
     """`segment` -> `segment.gz` (gzip, written to a temporary name, fsynced, renamed), then the plain one is
     removed. On any error the plain segment stays (the reader reads it) and the temporary file is removed."""
     final = segment + ".gz"

@@ -164,6 +164,19 @@ MODEL_LOADED: dict[str, tuple[str, ...]] = {
     "sglang": ("sglang.srt.model_executor.model_runner:ModelRunner.load_model",),
 }
 
+# Methods whose return means the engine allocated its KV cache or captured its CUDA graphs: the hook reads
+# the engine's memory again then (telemetry/hook/engine.py). vLLM 0.32: `Worker.initialize_from_config`
+# allocates the KV cache (model_runner.kv_caches), `Worker.compile_or_warm_up_model` captures the graphs
+# (the CPU worker inherits the first and overrides the second, which it also returns from). SGLang 0.5.23:
+# `ModelRunner.initialize` loads the model, makes the KV pool (token_to_kv_pool) and captures the graphs;
+# read from its source, not run here.
+ENGINE_MEMORY: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm.v1.worker.gpu_worker:Worker.initialize_from_config",
+             "vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model",
+             "vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model"),
+    "sglang": ("sglang.srt.model_executor.model_runner:ModelRunner.initialize",),
+}
+
 
 def _layers() -> dict[str, tuple[str, ...]]:
     layers: dict[str, tuple[str, ...]] = {}

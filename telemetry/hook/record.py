@@ -24,7 +24,7 @@ from telemetry.hook.targets import WRAPPED_ATTR, Target
 from telemetry.procfs.meminfo import MeminfoReader
 
 
-def shape_of(args: tuple, kwargs: dict) -> list | None:
+def shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int] | None:
     """[rows, cols] of the first tensor-like argument (a tuple's first item counts: (q, scale))."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, tuple) and value:
@@ -61,7 +61,7 @@ class Recorder:
         except Exception:
             self.state.count_error("", "allocator")
 
-    def record(self, site: str, args: tuple, kwargs: dict) -> None:
+    def record(self, site: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # One function on purpose: every Python call and attribute lookup here is paid per hooked
         # call (see BENCHMARKS.md, "Hook overhead"), so the per-site update is written out in place.
         if not self.enabled:
@@ -123,10 +123,11 @@ class Recorder:
         self.enabled = False
 
 
-def make_wrapper(record: Callable[[str, tuple, dict], None]) -> Callable[[Callable, Target], Callable]:
+def make_wrapper(record: Callable[[str, tuple[Any, ...], dict[str, Any]], None]
+                 ) -> Callable[[Callable[..., Any], Target], Callable[..., Any]]:
     """A factory for targets.apply_patch: the wrapper calls the original, then records."""
 
-    def wrap(original: Callable, target: Target) -> Callable:
+    def wrap(original: Callable[..., Any], target: Target) -> Callable[..., Any]:
         site = target.name
 
         @functools.wraps(original)

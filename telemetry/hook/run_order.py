@@ -9,9 +9,11 @@
 - `first`: created (O_EXCL) by the first Python process of the run to boot; that process also
   watches for "nothing hooked anywhere" (telemetry/run/boot.py).
 
-Every file goes through telemetry/safefs.py (no symlink followed, private modes). A run directory stays
-after its program exits (memtel run execs the program and cannot clean up after it); the next memtel
-run removes those whose process is gone. Reading or taking fails soft: None, and the caller goes on.
+Every file goes through telemetry/safefs.py (no symlink followed, private modes). memtel run execs the
+program, so the program's own Python process removes the directory at its exit (`remove_at_exit`, from
+telemetry/run/boot.py) when no child of it is left that could still use it; otherwise (a child still
+running, a program that is not Python, a kill) it stays, and the next memtel run removes those whose
+process is gone. Reading or taking fails soft: None, and the caller goes on.
 """
 
 from __future__ import annotations
@@ -75,6 +77,30 @@ def remove_stale(base: Path) -> list[Path]:
             shutil.rmtree(entry.path)
             removed.append(Path(entry.path))
     return removed
+
+
+def owner_pid(directory: str | os.PathLike[str]) -> int | None:
+    """The pid a run directory is named after (the program's: memtel run's own, kept by exec), or None."""
+    match = _RUN_NAME.match(Path(directory).name)
+    return int(match.group(1)) if match else None
+
+
+def remove_at_exit(directory: str | os.PathLike[str]) -> bool:
+    """At the exit of the run's program: remove its directory unless a child of this process still runs (it
+    may still take a number from `order`); True if removed. Never raises."""
+    try:
+        import psutil
+
+        if any(child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+               for child in psutil.Process().children(recursive=True)):
+            return False
+        path = Path(directory)
+        if owner_pid(path) != os.getpid() or path.is_symlink() or not path.is_dir():
+            return False
+        shutil.rmtree(path)
+        return True
+    except Exception:
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -146,5 +172,5 @@ def claim_first(directory: str | os.PathLike[str]) -> bool:
     return True
 
 
-__all__ = ["FIRST_FILE", "ORDER_FILE", "RUN_DIR_ENV", "claim_first", "create_run_dir", "peek", "remove_stale",
-           "runtime_base", "take"]
+__all__ = ["FIRST_FILE", "ORDER_FILE", "RUN_DIR_ENV", "claim_first", "create_run_dir", "owner_pid", "peek",
+           "remove_at_exit", "remove_stale", "runtime_base", "take"]

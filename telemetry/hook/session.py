@@ -30,6 +30,7 @@ from telemetry.errors import ConfigError
 from telemetry.hook import allocator, guards, presets
 from telemetry.hook.collector import HookCollector
 from telemetry.hook.config import HookConfig
+from telemetry.hook.engine import EngineCollector, EngineTracker
 from telemetry.hook.exporter import ExporterHandle, start_exporter
 from telemetry.hook.forecast.collector import ForecastCollector
 from telemetry.hook.forecast.runner import Forecaster
@@ -60,7 +61,18 @@ _UNRESOLVED_WHY = {
     "patch_failed": "could not be patched",
 }
 
-Wrapper = Callable[[Callable, Target], Callable]
+Wrapper = Callable[[Callable[..., Any], Target], Callable[..., Any]]
+MODULE_NOT_FOUND = "module_not_found"
+
+
+def exporter_where(scheme: str, addr: str, port: int) -> str:
+    """The announcement's exporter URL; one that listens on every interface says so and how to restrict it."""
+    from telemetry.exporter.address import format_listen  # loaded with the exporter, not before
+
+    where = f"{scheme}://{format_listen(addr, port)}/metrics"
+    if addr in ("0.0.0.0", "::", ""):
+        where += " (every interface: MEMTEL_ADDR=127.0.0.1, or `memtel run --addr 127.0.0.1`, keeps it on this machine)"
+    return where
 
 
 def _why(target: str, status: str) -> str:
@@ -87,7 +99,10 @@ class HookHandle:
 
     @property
     def pending(self) -> list[str]:
-        return [t.name for t in self._session.pending if t not in self._session.signals]
+        """Targets waiting for their module's import (those whose module cannot be found now are in `failed`)."""
+        targets = self._session.state.targets
+        return [t.name for t in self._session.pending
+                if t not in self._session.signals and targets.get(t.name, PENDING) == PENDING]
 
     @property
     def failed(self) -> dict[str, str]:
@@ -148,7 +163,7 @@ class HookSession:
         self._start_lock = threading.Lock()
         self.patches: dict[Target, Patch] = {}
         self.pending: dict[Target, Wrapper] = {}
-        self.signals: set[Target] = set()   # model-loaded targets: patched, but not hook targets
+        self.signals: set[Target] = set()   # model-loaded and engine-memory targets: patched, not hook targets
         self.state = HookState(node=config.node or socket.gethostname(), targets={},
                                log_configured=config.log_dir is not None)
         self.log = (CallLogWriter(config.log_dir, self.state, max_queue=config.max_queue,
@@ -162,6 +177,11 @@ class HookSession:
         self.extra_registry = registry
         if registry is not None:
             registry.register(self.collector)
+        self.engine = EngineTracker()     # the engine's weights, KV cache and graph pools (telemetry/hook/engine.py)
+        self.engine_collector = EngineCollector(self.engine, self.state)
+        self.registry.register(self.engine_collector)
+        if registry is not None:
+            registry.register(self.engine_collector)
         self.forecaster: Forecaster | None = None
         self._model_loaded_seen = False
         if config.forecast_tokens:
@@ -175,20 +195,23 @@ class HookSession:
         self.exporter: ExporterHandle | None = None
         self.wrap = make_wrapper(self.recorder.record)
         self.signal_wrap = _make_signal_wrapper(self._model_loaded)
+        self.engine_wrap = _make_signal_wrapper(self._engine_memory)
         self.watcher = ImportWatcher(self._module_loaded, self._module_missing)
         self._previous_sigterm: Any = None
         self._sigterm_installed = False
         self._timer: threading.Timer | None = None
         self.handle = HookHandle(self)
         self.recorder.baseline()
+        self._model_signals = frozenset(parse_target(name) for name in config.model_loaded)
         self._add([parse_target(name) for name in config.model_loaded], self.signal_wrap)
+        self._add([parse_target(name) for name in config.engine_memory], self.engine_wrap)
         if config.unresolved_after_s is not None:
             self._timer = threading.Timer(config.unresolved_after_s, self.check_unresolved,
                                           args=(f"{config.unresolved_after_s:g} s after install",))
             self._timer.daemon = True
             self._timer.name = "memtel-unresolved-check"
             self._timer.start()
-        atexit.register(self.close)
+        atexit.register(self._at_exit)
 
     # targets
     def add(self, targets: Iterable[Target]) -> None:
@@ -199,18 +222,22 @@ class HookSession:
             for target in targets:
                 if target in self.patches or target in self.pending:
                     continue  # installing twice is a no-op
-                if wrap is self.signal_wrap:
+                if wrap is self.signal_wrap or wrap is self.engine_wrap:
                     self.signals.add(target)
                 else:
                     self.state.set_target(target.name, PENDING)
                 module = sys.modules.get(target.module)
                 if module is not None:
                     self._patch(target, module, wrap)
-                elif module_exists(target.module) is False:
-                    self._fail(target, "module_not_found", f"{target}: no module named {target.module!r}")
+                elif target in self.signals and module_exists(target.module) is False:
+                    self._fail(target, MODULE_NOT_FOUND, f"{target}: no module named {target.module!r}")
                 else:
+                    # Watched even where it cannot be found now: sys.path changes after start-up (the script's
+                    # folder, `python -m`'s working directory, a sys.path.insert). Judged at the checks and at exit.
                     self.pending[target] = wrap
                     self.watcher.watch(target.module)
+                    if target not in self.signals and module_exists(target.module) is False:
+                        self.state.set_target(target.name, MODULE_NOT_FOUND)
 
     def _patch(self, target: Target, module: ModuleType, wrap: Wrapper) -> None:
         try:
@@ -243,11 +270,36 @@ class HookSession:
             self.watcher.unwatch(name)
 
     def _module_missing(self, name: str) -> None:
+        """`name`'s parent package was imported and `name` cannot be found now: a hook target stays watched (it
+        may still come, e.g. from an extended package path) and reads as not found until it does."""
         with self.lock:
             for target in [t for t in self.pending if t.module == name]:
-                del self.pending[target]
-                self._fail(target, "module_not_found", f"{target}: no module named {name!r}")
-            self.watcher.unwatch(name)
+                if target in self.signals:
+                    del self.pending[target]
+                    self._fail(target, MODULE_NOT_FOUND, f"{target}: no module named {name!r}")
+                else:
+                    self.state.set_target(target.name, MODULE_NOT_FOUND)
+            if not any(t.module == name for t in self.pending):
+                self.watcher.unwatch(name)
+
+    def _judge_pending(self) -> None:
+        """The status of each hook target whose module is not imported, on sys.path as it is now."""
+        with self.lock:
+            waiting = [t for t in self.pending if t not in self.signals]
+        for target in waiting:
+            self.state.set_target(target.name, MODULE_NOT_FOUND if module_exists(target.module) is False else PENDING)
+
+    def _at_exit(self) -> None:
+        """A target whose module was never imported and cannot be found is a failure, said once, at exit."""
+        if not self.closed:
+            self._judge_pending()
+            with self.lock:
+                missing = [t for t in self.pending if t not in self.signals
+                           and self.state.targets.get(t.name) == MODULE_NOT_FOUND]
+            for target in missing:
+                self._fail(target, MODULE_NOT_FOUND, f"{target}: no module named {target.module!r} was found or "
+                                                     f"imported by the exit of pid {os.getpid()}")
+        self.close()
 
     # the process: rank, log, exporter, announcement (once, at the first record or the unresolved check)
     def start_process(self) -> None:
@@ -288,10 +340,7 @@ class HookSession:
         hooked = sorted(name for name, status in self.state.targets.items() if status == INSTALLED)
         unresolved = self.state.unresolved()
         if self.exporter is not None:
-            from telemetry.exporter.address import format_listen  # loaded with the exporter, not before
-
-            scheme = self.exporter.url.partition("://")[0]
-            exporter = f"{scheme}://{format_listen(self.config.addr, self.exporter.port)}/metrics"
+            exporter = exporter_where(self.exporter.url.partition("://")[0], self.config.addr, self.exporter.port)
         else:
             exporter = ("off (no port: MEMTEL_PORT=off)" if self.config.port is None
                         else "not started (see the line above)")
@@ -305,7 +354,7 @@ class HookSession:
                  "exporter: %s; call log: %s; forecast: %s", os.getpid(), rank.rank, rank.local_rank, rank.source,
                  ", ".join(hooked) or "none", ", ".join(sorted(unresolved)) or "none", exporter, call_log, forecast)
 
-    def _model_loaded(self, loaded: Target, args: tuple) -> None:
+    def _model_loaded(self, loaded: Target, args: tuple[Any, ...]) -> None:
         """A model-loaded signal returned: `args[0]` is the engine's worker; its `get_model()` (vLLM) or its
         `model` attribute (SGLang's ModelRunner) is the model."""
         worker = args[0] if args else None
@@ -316,10 +365,15 @@ class HookSession:
                 self._mark_targets_not_in_model(model)
         except Exception as error:  # another engine's worker: the install status alone is reported
             log.debug("memtel: cannot look into the loaded model: %r", error)
+        self.engine.model_loaded(worker)
         self._model_loaded_seen = True
         if self.forecaster is not None:
             self.forecaster.model_loaded(worker)   # the engine's indexer workload, before the announcement
         self.check_unresolved("after the model loaded")
+
+    def _engine_memory(self, signal: Target, args: tuple[Any, ...]) -> None:
+        """An engine-memory signal returned (KV cache allocated, graphs captured): `args[0]` is the worker."""
+        self.engine.engine_signal(args[0] if args else None)
 
     def _waiting_for_model(self) -> bool:
         """A model-loaded signal is patched (its engine's worker module is imported: this process is an engine's
@@ -327,7 +381,7 @@ class HookSession:
         if self._model_loaded_seen:
             return False
         with self.lock:
-            return any(t in self.patches for t in self.signals)
+            return any(t in self.patches for t in self._model_signals)
 
     def _mark_targets_not_in_model(self, model: Any) -> None:
         """Installed targets whose preset layer (presets.LAYERS) the model does not contain: NOT_IN_MODEL."""
@@ -360,6 +414,7 @@ class HookSession:
             first = not self.state.unresolved_checked
             with self.state.lock:
                 self.state.unresolved_checked = True
+        self._judge_pending()
         unresolved = self.state.unresolved()
         if first and unresolved:
             details = "; ".join(f"{name} ({_why(name, status)})" for name, status in sorted(unresolved.items()))
@@ -473,11 +528,11 @@ class HookSession:
         self.recorder.log = self.log
 
 
-def _make_signal_wrapper(on_return: Callable[[Target, tuple], None]) -> Wrapper:
+def _make_signal_wrapper(on_return: Callable[[Target, tuple[Any, ...]], None]) -> Wrapper:
     """A factory for targets.apply_patch: the wrapper calls the original, then `on_return(target, args)`
     (never raising into the host)."""
 
-    def wrap(original: Callable, target: Target) -> Callable:
+    def wrap(original: Callable[..., Any], target: Target) -> Callable[..., Any]:
         @functools.wraps(original)
         def memtel_model_loaded(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)

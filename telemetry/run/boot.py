@@ -57,10 +57,12 @@ def parse_delay(name: str, text: str) -> float | None:
 def config_from_env(environ: Mapping[str, str]):  # -> HookConfig | None (imported lazily, like the plugin)
     """The hook's configuration under memtel run; None when the hook is off; ConfigError names the bad variable."""
     from telemetry.hook.config import HookConfig
-    from telemetry.hook.presets import MODEL_LOADED
+    from telemetry.hook.presets import ENGINE_MEMORY, MODEL_LOADED
 
     signals = tuple(signal for engine in ("vllm", "sglang") for signal in MODEL_LOADED[engine])
-    return HookConfig.from_env(environ, model_loaded=signals, unresolved_after_s=None, unresolved_at_first_call=True)
+    engine_memory = tuple(signal for engine in ("vllm", "sglang") for signal in ENGINE_MEMORY[engine])
+    return HookConfig.from_env(environ, model_loaded=signals, engine_memory=engine_memory, unresolved_after_s=None,
+                               unresolved_at_first_call=True)
 
 
 def show_log() -> None:
@@ -79,6 +81,10 @@ def boot(environ: Mapping[str, str] = os.environ) -> None:
     """Install the hook in this process from `environ`. Never raises."""
     global RAN
     RAN = True
+    try:
+        _clean_up_at_exit(environ)
+    except Exception:
+        pass
     if not environ.get("MEMTEL_TARGETS", "").strip() and not environ.get("MEMTEL_ENABLE", "").strip():
         return   # off, as HookConfig.from_env would say, without importing the hook
     try:
@@ -108,6 +114,16 @@ def boot(environ: Mapping[str, str] = os.environ) -> None:
         _watch_the_run(handle, environ, delay)
     except Exception as error:
         log.debug("memtel: no unresolved-target watch in pid %d: %r", os.getpid(), error)
+
+
+def _clean_up_at_exit(environ: Mapping[str, str]) -> None:
+    """In the run's program itself (the pid its run directory is named after): remove the directory at exit.
+    Registered first, so it runs after every other exit handler of the hook (atexit runs them in reverse)."""
+    from telemetry.hook import run_order as order
+
+    directory = environ.get(order.RUN_DIR_ENV, "")
+    if directory and order.owner_pid(directory) == os.getpid():
+        atexit.register(order.remove_at_exit, directory)
 
 
 def _watch_the_run(handle, environ: Mapping[str, str], delay: float | None) -> None:

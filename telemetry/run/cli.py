@@ -1,4 +1,4 @@
-"""`memtel run [--targets SPEC] [--port P] [--log-dir D] [--unresolved-after S] [--] COMMAND...`
+"""`memtel run [--targets SPEC] [--port P] [--addr A] [--log-dir D] [--unresolved-after S] [--] COMMAND...`
 
 Runs COMMAND with the hook in it and in every Python process it starts, the way opentelemetry-instrument
 and ddtrace-run do it: the bootstrap directory (telemetry/run/bootstrap, a `sitecustomize.py`) goes
@@ -22,7 +22,8 @@ from pathlib import Path
 from telemetry.errors import ConfigError, RunError
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
-USAGE = "memtel run [--targets SPEC] [--port P] [--log-dir D] [--unresolved-after S] [--] COMMAND [ARGS...]"
+USAGE = ("memtel run [--targets SPEC] [--port P] [--addr A] [--log-dir D] [--unresolved-after S] [--] "
+         "COMMAND [ARGS...]")
 
 
 class CommandNotFound(RunError):
@@ -41,6 +42,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", metavar="P",
                         help='exporter base port (each process listens on P + its rank) or "off"; '
                              "default: MEMTEL_PORT, else 9200")
+    parser.add_argument("--addr", metavar="A",
+                        help="address the exporters listen on; default: MEMTEL_ADDR, else 0.0.0.0 (every interface; "
+                             "127.0.0.1 keeps them on this machine)")
     parser.add_argument("--log-dir", metavar="D", help="directory of the per-call JSONL logs; default: MEMTEL_LOG_DIR")
     parser.add_argument("--unresolved-after", metavar="S",
                         help='warn after S seconds when no process of the run has hooked anything (default 60; "off")')
@@ -69,6 +73,9 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], pid: int) -> t
     if args.port is not None:
         parse_port("--port", args.port)
         env["MEMTEL_PORT"] = args.port
+    if args.addr is not None:
+        check_listen_addr("--addr", args.addr)
+        env["MEMTEL_ADDR"] = args.addr
     if args.log_dir is not None:
         if not args.log_dir:
             raise ConfigError("--log-dir is empty: expected a directory path")
@@ -91,6 +98,22 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], pid: int) -> t
     if python_path.split(os.pathsep)[0] != BOOTSTRAP_DIR:
         env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + python_path if python_path else "")
     return [executable, *command[1:]], env
+
+
+def check_listen_addr(flag: str, addr: str) -> None:
+    """ConfigError unless `addr` is an address of this machine an exporter can listen on (bound once, released)."""
+    import socket
+
+    if not addr.strip():
+        raise ConfigError(f"{flag} is empty: expected an address of this machine to listen on (e.g. 127.0.0.1)")
+    try:
+        infos = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.bind(infos[0][4])
+    except (OSError, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(f"{flag} {addr!r}: cannot listen there ({reason}); expected an address of this machine "
+                          "(e.g. 127.0.0.1, or 0.0.0.0 for every interface)") from None
 
 
 def _resolve(name: str, path: str) -> str:

@@ -9,14 +9,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 
 from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
 
 
 def lab_arm(name: str, mode: str, *, max_model_len: int = 65536, chunk: int = 1024, layers: int = 2,
@@ -60,7 +62,7 @@ def records(run_dir: Path) -> list[dict]:
     return out
 
 
-def events(run_dir: Path, kind: str, **match) -> list[dict]:
+def events(run_dir: Path, kind: str, **match: Any) -> list[dict[str, Any]]:
     return [r for r in records(run_dir) if r["event"] == kind and all(r.get(k) == v for k, v in match.items())]
 
 
@@ -68,7 +70,8 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, proc: subprocess.Popen[Any] | None = None,
+             log: Path | None = None) -> T:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

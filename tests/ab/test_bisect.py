@@ -32,6 +32,7 @@ def git(repo: Path, *args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_git_bisect_run_finds_the_commit_that_switched_the_arm(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from harness.ab.serve import process_info
@@ -161,6 +162,7 @@ def _watchdog_of(harness_pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_resume_stops_a_server_started_from_a_console_script_that_a_killed_run_left_running(tmp_path):
     arm = lab_arm("stock", "stock", **SMALL)
     command = arm["serve"]["command"]

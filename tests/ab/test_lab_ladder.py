@@ -20,6 +20,8 @@ from telemetry.model.indexer.planner import plan_prefill
 from telemetry.model.indexer.shape import IndexerShape
 from tests.ab.lab import ROOT, events, harness, lab_arm, node_daemon, records, run_ab, tail, wait_for
 
+pytestmark = pytest.mark.slow  # each test runs `memtel ab run` with lab servers
+
 LONG_LADDER = ROOT / "configs" / "ladders" / "long-context-32k-1m.yaml"
 MIB = 1 << 20
 

@@ -27,7 +27,7 @@ from tests.ab.lab import node_daemon as run_node_daemon
 from tests.support.ports import free_port
 from tests.support.vllm import server_env, vllm_python
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 # A function that runs once per attention layer in the CPU worker (eager custom op, also under torch.compile).

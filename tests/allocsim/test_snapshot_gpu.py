@@ -46,7 +46,7 @@ def test_a_live_seeded_capture_agrees_with_allocsim_and_forecast(tmp_path, confi
     shape = IndexerShape(layers=spec["layers"], chunk=spec["chunk"], max_model_len=spec["max_model_len"])
     result = forecast(state, shape, spec["tokens"], mode="stock", alloc_conf=config)
     assert result.reserved_growth_bytes == case["after"][-1][0]
-    assert result.device_allocs == case["after"][-1][2]
+    assert result.num_device_alloc == case["after"][-1][2]
 
 
 def test_a_live_recorded_history_replays_exactly(tmp_path):

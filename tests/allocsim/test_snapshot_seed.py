@@ -208,7 +208,7 @@ def test_forecast_is_the_launch_loop_on_the_seeded_state(mode, config):
     allocs = original.num_device_alloc
     run_prefill(Direct(), shape, mode, 60_000)  # type: ignore[arg-type]
     assert result.reserved_growth_bytes == original.reserved_bytes - start
-    assert result.device_allocs == original.num_device_alloc - allocs
+    assert result.num_device_alloc == original.num_device_alloc - allocs
     assert result.start.reserved_bytes == start
     assert sum(step.growth_bytes for step in result.growth_steps) == result.reserved_growth_bytes
 

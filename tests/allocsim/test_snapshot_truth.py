@@ -83,8 +83,8 @@ def test_forecast_gives_the_growth_the_process_had(path: Path):
     assert result.reserved_growth_bytes == after[-1][0]
     assert result.peak_growth_bytes == max(row[0] for row in after)
     assert result.peak_reserved_bytes == doc["state_base"][0] + max(row[0] for row in after)
-    assert result.device_allocs == after[-1][2]
-    assert result.device_frees == after[-1][3]
+    assert result.num_device_alloc == after[-1][2]
+    assert result.num_device_free == after[-1][3]
     # The growth steps add up to the growth.
     assert sum(step.growth_bytes for step in result.growth_steps) == result.reserved_growth_bytes
 
@@ -111,7 +111,7 @@ def test_forecast_command_gives_the_growth_the_process_had(mode):
     assert done.returncode == 0, done.stderr
     small, full = json.loads(done.stdout)["forecasts"]
     after = doc["cases"]["next_prefill"]["after"]
-    assert (full["reserved_growth_bytes"], full["device_allocs"]) == (after[-1][0], after[-1][2])
+    assert (full["reserved_growth_bytes"], full["num_device_alloc"]) == (after[-1][0], after[-1][2])
     assert full["alloc_conf"] == ""  # the settings the pickle recorded
     assert small["tokens"] == 1000 and small["reserved_growth_bytes"] <= full["reserved_growth_bytes"]
     table = subprocess.run([sys.executable, "-m", "telemetry.cli", "forecast", "--snapshot",
@@ -213,6 +213,6 @@ def test_whatif_command_json_has_the_issue_shape():
     doc = json.loads(done.stdout)
     assert set(doc["configs"]) == {"", "expandable_segments:True"}
     for entry in doc["configs"].values():
-        assert {"checkpoints", "peak_reserved", "device_allocs"} <= set(entry)
+        assert {"checkpoints", "peak_reserved", "num_device_alloc"} <= set(entry)
         assert all(len(row) == 4 for row in entry["checkpoints"])
     assert doc["trace"]["reproduces_segment_events"] is True and doc["trace"]["complete"] is True

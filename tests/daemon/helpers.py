@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,6 +48,7 @@ class Scrape:
 
 
 D = TypeVar("D", bound="Daemon")
+T = TypeVar("T")
 
 
 class Daemon:
@@ -213,7 +214,7 @@ def between(records: list[tuple[int, int, str]], start: str, end: str) -> list[t
     return records[start_i + 1:end_i]
 
 
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
+def wait_for(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.05, what: str = "condition") -> T:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -237,7 +238,7 @@ def static_exporter(text: str | bytes) -> Iterator[str]:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *args) -> None:
+        def log_message(self, *args: Any) -> None:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.daemon.helpers import ROOT, Daemon, wait_for
 
@@ -98,6 +99,7 @@ def _run(args: tuple[str, ...], state_dir: Path) -> tuple[tuple[str, ...], subpr
         return args, "still running after 30 s: the bad input was accepted"
 
 
+@pytest.mark.slow
 def test_every_bad_input_is_one_line_and_exit_2_never_a_traceback(tmp_path):
     cases = _cases(tmp_path)
     state = tmp_path / "state-never-created"

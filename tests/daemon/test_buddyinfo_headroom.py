@@ -166,7 +166,24 @@ def test_meminfo_collector_exports_unaccounted(tmp_path):
     assert registry.get_sample_value("memtel_node_mem_unaccounted_bytes") is None
 
 
-# -- unified headroom ------------------------------------------------------------------------------------
+# -- unified headroom (telemetry/procfs/headroom.py; docs/metrics.md) -------------------------------------------
+VMSTAT = PROC / "vmstat.x86_64-debian12-24g"
+
+
+def thp_sysfs(tmp_path: Path, enabled: str = "always [madvise] never",
+              defrag: str = "always defer defer+madvise [madvise] never") -> str:
+    directory = tmp_path / "thp"
+    directory.mkdir(exist_ok=True)
+    (directory / "enabled").write_text(enabled + "\n")
+    (directory / "defrag").write_text(defrag + "\n")
+    return str(directory)
+
+
+def headroom_collector(tmp_path, meminfo_file, buddyinfo_file, vmstat_file=VMSTAT, **thp) -> HeadroomCollector:
+    return HeadroomCollector(str(meminfo_file), str(buddyinfo_file), page_size=4096, vmstat_path=str(vmstat_file),
+                             thp_sysfs=thp_sysfs(tmp_path, **thp))
+
+
 @pytest.mark.parametrize(("meminfo_file", "buddyinfo_file", "expected"), [
     # a real pair from this VM: contiguous 6162 MiB < MemAvailable 24142580 kB
     (PROC / "meminfo.x86_64-debian12-24g-with-buddyinfo", PROC / "buddyinfo.x86_64-debian12-24g", 6162 * MIB),
@@ -175,25 +192,59 @@ def test_meminfo_collector_exports_unaccounted(tmp_path):
     # driver holds the pool: 22.5 GiB available, 224 MiB contiguous (Normal 40 × 2 MiB + 36 × 4 MiB)
     (SYNTHETIC / "meminfo.gb10-driver-held", SYNTHETIC / "buddyinfo.gb10-driver-held", 224 * MIB),
 ], ids=["real-x86_64", "synthetic-fragmented", "synthetic-driver-held"])
-def test_headroom_is_the_smaller_of_mem_available_and_contiguous_free(meminfo_file, buddyinfo_file, expected):
-    registry = registry_of(headroom=HeadroomCollector(str(meminfo_file), str(buddyinfo_file), page_size=4096))
+def test_headroom_without_reclaim_is_the_smaller_of_mem_available_and_contiguous_free(
+        tmp_path, meminfo_file, buddyinfo_file, expected):
+    registry = registry_of(headroom=headroom_collector(tmp_path, meminfo_file, buddyinfo_file))
+    assert registry.get_sample_value("memtel_node_unified_headroom_without_reclaim_bytes") == expected
+    # No huge-page fault has fallen back: what is not free in 2 MiB blocks counts as reclaimable into them.
+    available = meminfo(meminfo_file)["MemAvailable"]
+    assert registry.get_sample_value("memtel_node_unified_headroom_bytes") == available
+    assert registry.get_sample_value("memtel_node_huge_page_fault_success_ratio") is None
+
+
+def vmstat_with_faults(path: Path, alloc: int, fallback: int) -> Path:
+    lines = [line for line in VMSTAT.read_text().splitlines() if not line.startswith("thp_fault_")]
+    path.write_text("\n".join([*lines, f"thp_fault_alloc {alloc}", f"thp_fault_fallback {fallback}"]) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(("thp", "counted"), [
+    ({}, True),  # madvise/madvise: a fault that falls back tried reclaim and compaction first
+    ({"enabled": "[always] madvise never", "defrag": "always defer defer+madvise [madvise] never"}, False),
+    ({"enabled": "[always] madvise never", "defrag": "[always] defer defer+madvise madvise never"}, True),
+    ({"enabled": "always madvise [never]"}, False),
+], ids=["madvise", "always-without-defrag", "always-always", "never"])
+def test_huge_page_faults_that_fall_back_lower_the_headroom_toward_contiguous_free(tmp_path, thp, counted):
+    meminfo_file = SYNTHETIC / "meminfo.gb10-fragmented"
+    buddyinfo_file = SYNTHETIC / "buddyinfo.gb10-fragmented"
+    vmstat = vmstat_with_faults(tmp_path / "vmstat", 1000, 1000)
+    collector = headroom_collector(tmp_path, meminfo_file, buddyinfo_file, vmstat, **thp)
+    registry = registry_of(headroom=collector)
+    available = meminfo(meminfo_file)["MemAvailable"]
+    assert registry.get_sample_value("memtel_node_unified_headroom_bytes") == available  # one sample: no evidence
+    vmstat_with_faults(vmstat, 1010, 1030)  # of 40 faults since, 10 got a huge page
+    contiguous = 6 * MIB
+    expected = contiguous + int(0.25 * (available - contiguous)) if counted else available
     assert registry.get_sample_value("memtel_node_unified_headroom_bytes") == expected
-    assert expected < meminfo(meminfo_file)["MemAvailable"]  # in each case MemAvailable alone overstates it
+    assert registry.get_sample_value("memtel_node_huge_page_fault_success_ratio") == (0.25 if counted else None)
+    assert registry.get_sample_value("memtel_node_unified_headroom_without_reclaim_bytes") == contiguous
 
 
 def test_headroom_is_mem_available_when_that_is_smaller(tmp_path):
     path = tmp_path / "meminfo"
     path.write_text("MemTotal: 4000000 kB\nMemFree: 3000000 kB\nMemAvailable: 1024 kB\n")
-    registry = registry_of(headroom=HeadroomCollector(str(path), str(PROC / "buddyinfo.x86_64-debian12-24g"),
-                                                      page_size=4096))
+    registry = registry_of(headroom=headroom_collector(tmp_path, path, PROC / "buddyinfo.x86_64-debian12-24g"))
     assert registry.get_sample_value("memtel_node_unified_headroom_bytes") == 1024 * KIB
+    assert registry.get_sample_value("memtel_node_unified_headroom_without_reclaim_bytes") == 1024 * KIB
 
 
-def test_headroom_is_absent_when_buddyinfo_is_missing(tmp_path):
-    registry = registry_of(headroom=HeadroomCollector(str(PROC / "meminfo.x86_64-debian12-24g"),
-                                                      str(tmp_path / "no-buddyinfo"), page_size=4096))
-    assert registry.get_sample_value("memtel_node_unified_headroom_bytes") is None
-    assert registry.get_sample_value("memtel_collector_success", {"collector": "headroom"}) == 0
+def test_headroom_is_absent_when_buddyinfo_or_vmstat_is_missing(tmp_path):
+    for buddyinfo, vmstat in ((tmp_path / "no-buddyinfo", VMSTAT),
+                              (PROC / "buddyinfo.x86_64-debian12-24g", tmp_path / "no-vmstat")):
+        registry = registry_of(headroom=headroom_collector(tmp_path, PROC / "meminfo.x86_64-debian12-24g",
+                                                           buddyinfo, vmstat))
+        assert registry.get_sample_value("memtel_node_unified_headroom_bytes") is None
+        assert registry.get_sample_value("memtel_collector_success", {"collector": "headroom"}) == 0
 
 
 # -- the real daemon ---------------------------------------------------------------------------------------
@@ -223,7 +274,8 @@ def test_the_daemon_exports_the_new_signals(tmp_path):
     proc = _proc_root(tmp_path, PROC / "buddyinfo.x86_64-debian12-24g")
     with _fixture_daemon(tmp_path, proc) as daemon:
         scrape = daemon.scrape()
-    assert scrape.value("memtel_node_unified_headroom_bytes") == 6162 * MIB
+    assert scrape.value("memtel_node_unified_headroom_bytes") == 24142580 * KIB  # no huge-page fault fell back
+    assert scrape.value("memtel_node_unified_headroom_without_reclaim_bytes") == 6162 * MIB
     assert scrape.value("memtel_node_mem_free_contiguous_bytes") == 6162 * MIB
     assert scrape.value("memtel_node_mem_unaccounted_bytes") == 134452 * KIB
     assert scrape.value("memtel_collector_success", collector="buddyinfo") == 1

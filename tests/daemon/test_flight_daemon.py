@@ -58,6 +58,7 @@ def kill(d: Daemon) -> None:
 
 
 # -- SIGKILL ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_every_record_written_before_a_sigkill_reads_back_in_order_none_twice(tmp_path):
     seed = random.randrange(2**32)
     rng = random.Random(seed)
@@ -108,15 +109,15 @@ def test_after_a_reboot_the_last_boots_records_stay_readable(tmp_path):
                           what="a record of the new boot")
     assert scrape.value("memtel_flight_previous_boot_last_record_timestamp_seconds") == before.records[-1].time
     assert scrape.value("memtel_flight_previous_boot_records") == len(before.records)
-    # every record held the headroom of the captured /proc: min(MemAvailable, 6162 MiB contiguous)
-    assert scrape.value("memtel_flight_previous_boot_min_headroom_bytes") == 6162 * MIB
+    # every record held the headroom of the captured /proc: MemAvailable (no huge-page fault fell back)
+    assert scrape.value("memtel_flight_previous_boot_min_headroom_bytes") == 24142580 * 1024
     assert "boot id changed" in second.log()
 
     previous = show(state, "--boot", "previous", "--json")
     lines = [json.loads(line) for line in previous.stdout.splitlines()]
     assert [line["seq"] for line in lines] == [r.seq for r in before.records]
     assert {line["boot_id"] for line in lines} == {"boot-before-the-crash"}
-    assert lines[-1]["values"][HEADROOM_SERIES] == 6162 * MIB
+    assert lines[-1]["values"][HEADROOM_SERIES] == 24142580 * 1024
     current = show(state, "--json")
     assert {json.loads(line)["boot_id"] for line in current.stdout.splitlines()} == {"boot-after"}
     assert read_ring(state / "flight" / PREVIOUS_RING).records == before.records
@@ -140,7 +141,7 @@ def test_no_room_for_the_ring_stops_recording_says_so_and_the_exporter_keeps_ser
         log = d.log()
     assert scrape.value("memtel_flight_recording") == 0
     assert again.value("memtel_flight_recording") == 0
-    assert again.value("memtel_node_unified_headroom_bytes") == 6162 * MIB  # the node signals are still served
+    assert again.value("memtel_node_unified_headroom_bytes") == 24142580 * 1024  # the node signals are still served
     assert log.count("recording stopped") == 1 and "No space left on device" in log
     assert "Traceback" not in log
     assert list((state / "flight").iterdir()) == []  # no half-written ring or temporary file left behind
@@ -314,7 +315,8 @@ def test_records_keep_the_last_values_of_a_local_hook_exporter(tmp_path):
         config.write_text(f"flight:\n  interval_seconds: 0.2\n  duration_seconds: 60\n  hook_targets: ['{target}']\n")
         key = f'memtel_allocator_reserved_bytes{{rank="0",site="indexer",target="{target}"}}'
         with daemon(tmp_path, state, proc_root(tmp_path, "hook-boot"), "--config", str(config)):
-            wait_for(lambda: any(key in r.values for r in read_ring(state / "flight" / CURRENT_RING).records),
+            ring = state / "flight" / CURRENT_RING   # made by the recorder's first write: poll until it is there
+            wait_for(lambda: ring.exists() and any(key in r.values for r in read_ring(ring).records),
                      what="a record with the hook's series")
     records = read_ring(state / "flight" / CURRENT_RING).records
     with_hook = [r for r in records if key in r.values]

@@ -159,11 +159,23 @@ def test_a_ring_with_a_bad_header_is_moved_aside_and_recording_starts_again(tmp_
     path = tmp_path / CURRENT_RING
     data = path.read_bytes()
     path.write_bytes(change(data[:HEADER_BYTES]) + data[HEADER_BYTES:])
-    with pytest.raises(RingFormatError):
-        read_ring(path)
+    assert read_ring(path).header_damage is not None  # its records are recovered (test_flight_damaged_header.py)
     caplog.set_level(logging.INFO)
     again = recorder(tmp_path)
     write(again, 1)
+    assert [r.seq for r in read_ring(path).records] == [0]
+    (aside,) = tmp_path.glob(f"{CURRENT_RING}.corrupt-*")
+    assert [r.seq for r in read_ring(aside).records] == [0, 1]
+    assert sum("damaged header" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_file_that_is_no_ring_is_moved_aside(tmp_path, caplog):
+    path = tmp_path / CURRENT_RING
+    path.write_bytes(b"not a ring at all\n" * 1000)
+    with pytest.raises(RingFormatError):
+        read_ring(path)
+    caplog.set_level(logging.INFO)
+    write(recorder(tmp_path), 1)
     assert [r.seq for r in read_ring(path).records] == [0]
     assert len(list(tmp_path.glob(f"{CURRENT_RING}.corrupt-*"))) == 1
     assert sum("not a usable ring" in r.getMessage() for r in caplog.records) == 1
@@ -200,6 +212,7 @@ def test_a_new_boot_keeps_the_last_boot_apart(tmp_path):
     assert third.previous is not None and third.previous.boot_id == "boot-b"  # boot-a's ring is gone now
 
 
+@pytest.mark.slow
 def test_the_ring_stays_within_its_bound_over_a_simulated_day(tmp_path):
     rec = recorder(tmp_path, duration_seconds=900, interval_seconds=1.0)
     path = tmp_path / CURRENT_RING

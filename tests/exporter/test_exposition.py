@@ -91,7 +91,7 @@ def test_the_daemons_real_registry(tmp_path):
     state.mkdir(mode=0o700)
     config = from_args(build_parser().parse_args(["daemon", "--state-dir", str(state),
                                                   "--disable-collector", "kmsg"]))
-    collectors, _ = build_collectors(config)
+    collectors = build_collectors(config)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollectors(collectors, start_time=time.time()))
     ProcessCollector(registry=registry)

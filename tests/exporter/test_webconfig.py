@@ -11,12 +11,12 @@ import ssl
 import subprocess
 import urllib.request
 
-import bcrypt
 import pytest
 import yaml
 
 from tests.daemon.helpers import Daemon, run_cli
 from tests.support.certs import Certs, make_certs
+from tests.support.extras import need
 
 PASSWORD = "s3cret-for-the-test"
 
@@ -46,6 +46,7 @@ def daemon(tmp_path, config: str, certs: Certs, **options) -> Daemon:
 
 
 def test_tls_and_basic_auth_with_curl(tmp_path, certs):
+    bcrypt = need("bcrypt")  # the `auth` extra: skips with that reason where it is missing
     hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
     config = web_config(tmp_path, {
         "tls_server_config": {"cert_file": str(certs.server_cert), "key_file": str(certs.server_key)},
@@ -139,6 +140,7 @@ def _bad_configs(tmp_path, certs) -> list[tuple[str, str]]:
     ]
 
 
+@pytest.mark.slow
 def test_a_bad_web_config_is_one_line_and_exit_2(tmp_path, certs):
     failures = []
     for i, (text, expected) in enumerate(_bad_configs(tmp_path, certs)):

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from tests.support.http import get_text
 from tests.support.ports import free_port
 from tests.support.prom import metric
 
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if time.monotonic() > deadline:
                 print(json.dumps({"error": "no forecast after the allocator went idle",
-                                  "metrics": httpx.get(url, timeout=10).text[-3000:]}))
+                                  "metrics": get_text(url, timeout=10)[-3000:]}))
                 return 1
             time.sleep(0.1)
         exported = {str(n): {name: metric(url, f"memtel_forecast_{name}", {"tokens": str(n)})
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in LENGTHS:
             f = forecast(state, shape, n, mode=args.mode, alloc_conf=conf)
             recomputed[str(n)] = {"reserved_growth_bytes": f.reserved_growth_bytes,
-                                  "peak_reserved_bytes": f.peak_reserved_bytes, "device_alloc": f.device_allocs}
+                                  "peak_reserved_bytes": f.peak_reserved_bytes, "device_alloc": f.num_device_alloc}
         before = backend.counters()
         backend.reset_peak()
         run_prefill(backend, shape, args.mode, tokens)

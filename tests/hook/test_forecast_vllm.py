@@ -138,6 +138,7 @@ def test_the_names_read_are_vllms_own():
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_a_real_vllm_worker_reads_its_config_and_forecasts_nothing_without_an_indexer(tiny_model, tmp_path):
     from tests.support.vllm import VllmServer
 

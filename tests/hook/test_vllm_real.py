@@ -27,10 +27,11 @@ import httpx
 import psutil
 import pytest
 
+from tests.ledger.vllm_engine import expected_kv_cache_bytes, expected_weights_bytes
 from tests.support.ports import free_port, free_port_block
 from tests.support.vllm import VOCAB_WORDS, VllmServer, one_call_log
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TARGET = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
 CHUNK = 32
@@ -87,6 +88,12 @@ def test_hook_counts_every_attention_layer_call_in_the_cpu_worker(tiny_model, tm
         before = scrape(base)  # the worker has run its warm-up forward already: exporter up
         calls_before = before[hook_sample]
         vllm_before = scrape(server.port)
+        # The engine's memory, read by the hook from the worker's own tensors, equals what vLLM allocated:
+        # the parameters (from the safetensors file; tests/ledger/vllm_engine.py) and the KV cache (from vLLM's
+        # cache_config_info: blocks x block size x K/V x layers x KV heads x head dim x 4 bytes).
+        assert one(before, "memtel_engine_weights_bytes") == expected_weights_bytes(tiny_model)
+        assert one(before, "memtel_engine_kv_cache_bytes") == expected_kv_cache_bytes(
+            tiny_model, httpx.get(server.url + "/metrics", timeout=5).text)
 
         expected_steps: list[int] = []
         words = iter(VOCAB_WORDS)  # distinct words: no prompt shares a prefix with another

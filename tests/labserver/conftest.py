@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.support.ports import free_port, free_port_block
@@ -48,6 +47,8 @@ class LabServer:
         return f"http://127.0.0.1:{self.rank_port + rank}/metrics"
 
     def start(self, timeout: float = 60.0) -> LabServer:
+        import httpx  # the harness extra: test modules that need it skip without it (tests/support/extras.py)
+
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                             env=self.env, start_new_session=True, stdin=subprocess.DEVNULL)

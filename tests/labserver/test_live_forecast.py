@@ -66,7 +66,7 @@ def test_the_ranks_forecast_what_the_next_request_adds(tmp_path):
                               ",".join(map(str, LENGTHS)), *SHAPE, "--json"], capture_output=True, text=True,
                              cwd=ROOT, timeout=120)
         assert cli.returncode == 0, cli.stderr
-        expected = {f["tokens"]: (f["reserved_growth_bytes"], f["peak_reserved_bytes"], f["device_allocs"])
+        expected = {f["tokens"]: (f["reserved_growth_bytes"], f["peak_reserved_bytes"], f["num_device_alloc"])
                     for f in json.loads(cli.stdout)["forecasts"]}
         for forecast in at_rest:
             assert forecast == expected, (forecast, expected)

@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
+
+from tests.support.http import get_text
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 ANNOUNCEMENT = "memtel hook on in pid "
@@ -67,7 +68,7 @@ def logs_by_pid(log_dir: Path) -> dict[int, tuple[Path, list[dict]]]:
 
 def scrape(port: int) -> dict[str, float]:
     samples = {}
-    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text.splitlines():
+    for line in get_text(f"http://127.0.0.1:{port}/metrics", timeout=5).splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             samples[name] = float(value)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from tests.run.conftest import (
     PROGRAMS,
     announcements,
@@ -25,6 +27,7 @@ from tests.support.ports import free_port_block
 TARGET = "memtel_run_target:logits"
 
 
+@pytest.mark.slow
 def test_spawned_and_subprocess_children_each_get_their_own_rank_port_and_log(tmp_path, run_env, handshake):
     base = free_port_block(8)
     log_dir = tmp_path / "logs"
@@ -65,6 +68,7 @@ def test_spawned_and_subprocess_children_each_get_their_own_rank_port_and_log(tm
                 f"unresolved: none; exporter: http://127.0.0.1:{worker['port']}/metrics") in said[worker["pid"]]
 
 
+@pytest.mark.slow
 def test_a_torch_multiprocessing_pool_records_every_task_in_its_worker(tmp_path, run_env):
     log_dir = tmp_path / "logs"
     tasks = 6

@@ -94,5 +94,6 @@ def test_two_nccl_ranks_export_their_own_rank_device_and_counters(tmp_path, run_
     run_two_ranks(tmp_path, run_env, handshake, "cuda")
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_on_the_cpu_get_their_own_rank_port_and_log(tmp_path, run_env, handshake):
     run_two_ranks(tmp_path, run_env, handshake, "cpu")

@@ -24,7 +24,7 @@ from tests.hook.test_vllm_real import CHUNK, REQUESTS, TARGET, listeners, one, s
 from tests.support.ports import free_port, free_port_block
 from tests.support.vllm import VOCAB_WORDS, VllmServer, one_call_log, vllm_python
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 INDEXER = "vllm.model_executor.layers.sparse_attn_indexer:fp8_fp4_mqa_logits"
 

@@ -1,14 +1,15 @@
-"""Reading one value from a real /metrics endpoint in tests."""
+"""Reading one value from a real /metrics endpoint in tests (standard library only: the gpu tests use it)."""
 
 from __future__ import annotations
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.http import get_text
 
 
 def metric(url: str, name: str, labels: dict | None = None) -> float | None:
     """The sum of the samples named `name` whose labels include `labels`; None when there is none."""
-    text = httpx.get(url, timeout=10).text
+    text = get_text(url, timeout=10)
     total = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

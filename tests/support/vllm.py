@@ -8,11 +8,14 @@ vLLM venv. `VllmServer` starts `python -m vllm.entrypoints.openai.api_server` in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -78,6 +81,33 @@ def make_tiny_llama(dest: Path, *, layers: int = 2, hidden: int = 128, max_posit
          json.dumps(VOCAB_WORDS)],
         check=True, capture_output=True, text=True, timeout=300,
     )
+    return dest
+
+
+def cached_tiny_llama(cache_root: Path | None = None) -> Path:
+    """The default tiny Llama, made once per machine under ~/.cache/memtel-tests (or $XDG_CACHE_HOME).
+
+    The same directory in every run is what lets vLLM reuse its compile cache: the model's path is part of the
+    hash it files compiled graphs under, so a model in a fresh temporary directory recompiles from scratch in
+    every run (docs/testing.md has the cost). The directory's name is a digest of what makes the model, so
+    a change to the recipe makes a new one; it is built beside its final name and renamed into place, so a
+    run that stops half-way or a second run at the same time never sees half a model."""
+    root = cache_root or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memtel-tests"
+    recipe = json.dumps([_MAKE_MODEL, VOCAB_WORDS, 2, 128, 262144]).encode()
+    dest = root / f"tiny-llama-{hashlib.sha256(recipe).hexdigest()[:16]}"
+    if (dest / "config.json").exists() and (dest / "tokenizer.json").exists():
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=dest.name + ".building-", dir=root))
+    try:
+        make_tiny_llama(building)
+        try:
+            os.rename(building, dest)
+        except OSError:  # another run put it there first
+            if not (dest / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
     return dest
 
 

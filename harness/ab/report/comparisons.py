@@ -19,13 +19,27 @@ from harness.ab.report.stats import CONFIDENCE, Estimate, PairedDifference
 MIB = 1024 * 1024
 LADDER = "over the ladder"  # the step label of the block totals
 
-METHOD = ("Per arm and step: the mean over repeats, its sample standard deviation (sd) and a 95 % t-interval "
-          "(mean ± t(0.975, n − 1) · sd / √n). A − B: the paired difference, pairs being the two arms' requests "
-          "of the same repeat and step (run side by side in `order: ABAB`), with the same interval over the "
-          "differences. **significant**: the interval excludes 0 (or the difference is the same non-zero amount "
-          "in every repeat); **within the noise**: it contains 0, so no difference can be claimed; **no "
-          "difference**: identical in every repeat. Each interval is at 95 %: in an A/A run about one interval "
-          "in twenty excludes 0 by chance.")
+# How the pairs of each arm order sit in time (the ladder's `order`, harness/ab/config.py ARM_ORDERS).
+PAIRING = {
+    "ABAB": "run side by side: this run's `order: ABAB` serves each arm in turn within every repeat",
+    "AABB": "run apart: this run's `order: AABB` serves every repeat of one arm before the next arm, so a "
+            "pair's requests are separated by the other arm's blocks and drift of the machine between them counts "
+            "as a difference; `order: ABAB` puts them side by side",
+}
+
+
+def method(order: str, repeats: int = 2) -> str:
+    """The statistics' method, saying how this run's `order` placed the pairs."""
+    pairing = PAIRING.get(order, f"this run's `order: {order}`")
+    if repeats < 2:  # one block per arm: ABAB and AABB run the same schedule
+        pairing = f"this run's `order: {order}` with one repeat: one block of each arm, one after the other"
+    return ("Per arm and step: the mean over repeats, its sample standard deviation (sd) and a 95 % t-interval "
+            "(mean ± t(0.975, n − 1) · sd / √n). A − B: the paired difference, pairs being the two arms' requests "
+            f"of the same repeat and step ({pairing}), with the same interval over the "
+            "differences. **significant**: the interval excludes 0 (or the difference is the same non-zero amount "
+            "in every repeat); **within the noise**: it contains 0, so no difference can be claimed; **no "
+            "difference**: identical in every repeat. Each interval is at 95 %: in an A/A run about one interval "
+            "in twenty excludes 0 by chance.")
 
 
 @dataclass(frozen=True)
@@ -105,11 +119,12 @@ def statistics_section(metrics: RunMetrics) -> Section:
     if len(run.arms) < 2:
         return Section("statistics", "5. Differences between the arms", "One arm: nothing to compare.")
     items = comparisons(metrics)
-    intro = [METHOD]
+    text = method(run.ladder.order, run.repeats)
+    intro = [text]
     if run.repeats < 2:
         intro.append("**One repeat: no noise estimate exists.** Every difference below is a single value; it cannot "
-                     "be called significant or within the noise. Run with `repeats: 2` or more (in `order: ABAB`) to "
-                     "get intervals.")
+                     "be called significant or within the noise. Run with `repeats: 2` or more to get intervals "
+                     "(with `order: ABAB` their pairs run side by side).")
     parts = ["\n\n".join(intro)]
     for spec in metric_specs(metrics):
         mine = [c for c in items if c.metric == spec.key]
@@ -124,9 +139,9 @@ def statistics_section(metrics: RunMetrics) -> Section:
         head = ["step", *[f"{arm}: mean ± 95 %" for arm in run.arms],
                 *[f"{run.arms[0]} − {other} (paired)" for other in run.arms[1:]]]
         parts.append(f"### {spec.title}\n\n" + Table(head, rows).markdown())
-    data = {"confidence": CONFIDENCE, "method": METHOD.replace("**", ""), "repeats": run.repeats,
+    data = {"confidence": CONFIDENCE, "method": text.replace("**", ""), "repeats": run.repeats,
             "comparisons": [c.as_dict() for c in items]}
     return Section("statistics", "5. Differences between the arms", "\n\n".join(parts), data=data)
 
 
-__all__ = ["LADDER", "METHOD", "Comparison", "comparisons", "metric_specs", "statistics_section"]
+__all__ = ["LADDER", "PAIRING", "Comparison", "comparisons", "method", "metric_specs", "statistics_section"]

@@ -77,8 +77,10 @@ class Report:
                 "sections": {s.key: s.data for s in sections if s.data is not None}}
         return data
 
-    def write(self, extra_sections: Sequence[Section] = (), notes: Mapping[str, Sequence[str]] | None = None) -> Path:
+    def write(self, extra_sections: Sequence[Section] = (), notes: Mapping[str, Sequence[str]] | None = None,
+              plot_caveats: Mapping[str, str] | None = None) -> Path:
         """Write report.md, summary.json and plots/*.png into the run directory; returns report.md's path.
+        `plot_caveats` (by plot: "ttft") are written into the images (plots.write_plots).
 
         They are created private (0600, plots/ 0700), as the rest of a run (harness/ab/rundir.py).
         """
@@ -87,11 +89,12 @@ class Report:
         for name in (REPORT_FILE, SUMMARY_FILE, PLOTS_DIR):  # a symbolic link planted there is refused
             inside_run_dir(self.run.run_dir, name, what="the report's")
         with private_files():
-            return self._write(extra_sections, notes)
+            return self._write(extra_sections, notes, plot_caveats)
 
-    def _write(self, extra_sections: Sequence[Section], notes: Mapping[str, Sequence[str]] | None) -> Path:
+    def _write(self, extra_sections: Sequence[Section], notes: Mapping[str, Sequence[str]] | None,
+               plot_caveats: Mapping[str, str] | None = None) -> Path:
         run_dir = self.run.run_dir
-        plots = write_plots(self.metrics, run_dir / PLOTS_DIR)
+        plots = write_plots(self.metrics, run_dir / PLOTS_DIR, plot_caveats)
         sections = self.sections(extra_sections, plots)
         document = Document(header(self.metrics, self.verdict.line), sections,
                             {k: list(v) for k, v in (notes or {}).items()})

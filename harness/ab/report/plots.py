@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,13 @@ from harness.ab.report.metrics import RequestMetrics, RunMetrics, Spread
 
 GIB = 1024**3
 MIB = 1024**2
+ONE_REPEAT = "One repeat per arm: no noise estimate, so a gap between the arms may be noise."
 
 
-def write_plots(metrics: RunMetrics, out: Path) -> list[Path]:
+def write_plots(metrics: RunMetrics, out: Path, caveats: Mapping[str, str] | None = None) -> list[Path]:
+    """Every plot as PNG in `out`. `caveats` (by plot: "ttft") are written into the image itself, under the
+    axes, where a reader of the picture alone sees them (a caller that knows a difference is not the effect
+    under test says so there, not only in the text)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,8 +27,14 @@ def write_plots(metrics: RunMetrics, out: Path) -> list[Path]:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     paths = [_mem_available(plt, metrics, node, colors, out) for node in metrics.run.nodes]
     paths += _reserved(plt, metrics, colors, out)
-    paths.append(_ttft(plt, metrics, colors, out))
+    paths.append(_ttft(plt, metrics, colors, out, ttft_caveat(metrics, caveats)))
     return paths
+
+
+def ttft_caveat(metrics: RunMetrics, caveats: Mapping[str, str] | None) -> str | None:
+    """What the TTFT image must say about itself: the caller's caveat, and that one repeat has no noise estimate."""
+    parts = [(caveats or {}).get("ttft"), ONE_REPEAT if metrics.run.repeats < 2 else None]
+    return " ".join(p for p in parts if p) or None
 
 
 def _save(plt: Any, fig: Any, path: Path) -> Path:
@@ -150,9 +161,19 @@ def _reserved(plt: Any, metrics: RunMetrics, colors: list[str], out: Path) -> li
     return paths
 
 
-def _ttft(plt: Any, metrics: RunMetrics, colors: list[str], out: Path) -> Path:
+def _ttft(plt: Any, metrics: RunMetrics, colors: list[str], out: Path, caveat: str | None = None) -> Path:
+    fig = ttft_figure(plt, metrics, colors, caveat)
+    path = out / "ttft.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def ttft_figure(plt: Any, metrics: RunMetrics, colors: list[str], caveat: str | None = None) -> Any:
+    """TTFT per step and arm (client and server medians), with `caveat` boxed under the axes."""
     run = metrics.run
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    lines = textwrap.wrap(caveat, 110) if caveat else []
+    fig, ax = plt.subplots(figsize=(9, 4.5 + 0.2 * len(lines)))
     width = 0.8 / max(1, 2 * len(run.arms))
     for i, arm in enumerate(run.arms):
         picks: tuple[tuple[str, Callable[[RequestMetrics], float | None]], ...] = (
@@ -166,7 +187,14 @@ def _ttft(plt: Any, metrics: RunMetrics, colors: list[str], out: Path) -> Path:
     ax.set_ylabel("TTFT (s), median over repeats")
     ax.set_title("Time to first token per step")
     ax.legend(loc="best", fontsize=8)
-    return _save(plt, fig, out / "ttft.png")
+    if not lines:
+        fig.tight_layout()
+        return fig
+    height = 0.035 * len(lines) + 0.03
+    fig.text(0.5, 0.012, "\n".join(lines), ha="center", va="bottom", fontsize=8.5, color="darkred",
+             bbox={"boxstyle": "round", "facecolor": "#fff4f0", "edgecolor": "darkred"})
+    fig.tight_layout(rect=(0, height + 0.02, 1, 1))
+    return fig
 
 
 __all__ = ["write_plots"]

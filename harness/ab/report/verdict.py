@@ -10,7 +10,7 @@ Exit codes of `memtel ab run` and `memtel ab report` (docs/harness.md, "Exit cod
 | 3 | GATE FAILED | a gate failed, or had no value to check (failed requests too: 3 wins) |
 | 4 | REQUESTS FAILED | a request failed or a step was skipped, and every gate passed (or there are none) |
 | 1 | UNFINISHED | the run did not finish (`ab report` of an interrupted run), nothing else wrong |
-| 0 | PASS / OK | every request ok, every gate passed (PASS) or there are none (OK) |
+| 0 | PASS / COMPLETED | every request ok; every gate passed (PASS) or there are none (COMPLETED: nothing judged) |
 
 A gate is checked on the successful requests in its scope. Values that are missing (a failed request, an
 exporter that did not answer, a series the exporter does not have) are listed with the reason; a gate
@@ -47,6 +47,7 @@ EXIT_REQUESTS_FAILED = 4
 EXIT_INTERRUPTED = 130
 
 PASS, FAIL, NO_VALUE = "pass", "fail", "no data"
+COMPLETED = "COMPLETED"  # every request completed and the ladder has no gates: a run outcome, not a judgement
 
 # What each gate reads from a request, on which part (ranks or nodes), and which way is worse.
 _MEASURES: dict[str, tuple[str, str, float, str]] = {
@@ -168,7 +169,7 @@ def _ttft_regression(metrics: RunMetrics, gate: Gate) -> GateResult:
 
 @dataclass(frozen=True)
 class Verdict:
-    outcome: str  # PASS, OK, GATE FAILED, REQUESTS FAILED, NOTHING RAN, UNFINISHED
+    outcome: str  # PASS, COMPLETED, GATE FAILED, REQUESTS FAILED, NOTHING RAN, UNFINISHED
     exit_code: int
     line: str  # the report's first line after the title (Markdown)
     gates: list[GateResult]
@@ -209,7 +210,8 @@ def verdict(metrics: RunMetrics) -> Verdict:
     elif unfinished:
         outcome, code = "UNFINISHED", EXIT_RUN_ERROR
     else:
-        outcome, code = ("PASS" if gates else "OK"), EXIT_OK
+        # Without gates nothing was judged: the outcome says only that the requests completed, not that a fix works.
+        outcome, code = ("PASS" if gates else COMPLETED), EXIT_OK
     difference = metrics.paired_blocks(run.arms[0], run.arms[1]) if len(run.arms) >= 2 else None
     parts = []
     if not metrics.requests:
@@ -230,6 +232,8 @@ def verdict(metrics: RunMetrics) -> Verdict:
         if not_run:
             text += f", {not_run} not run yet"
         parts.append(text)
+    if outcome == COMPLETED:
+        parts.append("no gates, so nothing was judged against a limit")
     if difference is not None and metrics.requests:
         parts.append(f"{difference.a} − {difference.b} reserved growth over the ladder, all ranks: "
                      f"{_difference_text(difference)}")

@@ -7,8 +7,12 @@ of a 2 MiB block comes from the real page size (4 KiB → 9, 16 KiB → 7, 64 Ki
 
 from __future__ import annotations
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING
 
+from prometheus_client.core import Metric
+
+from telemetry.catalogue.metrics import MEM_FREE_BLOCKS, MEM_FREE_BUDDY, MEM_FREE_CONTIGUOUS, PAGE_SIZE
+from telemetry.daemon.registry import register
 from telemetry.procfs.buddyinfo import (
     BUDDYINFO_PATH,
     CONTIGUOUS_BLOCK_BYTES,
@@ -20,6 +24,9 @@ from telemetry.procfs.buddyinfo import (
 )
 from telemetry.procfs.procfile import ProcFile
 
+if TYPE_CHECKING:
+    from telemetry.daemon.config import DaemonConfig
+
 
 def read_free_blocks(file: ProcFile) -> tuple[ZoneFreeBlocks, ...]:
     zones = parse_buddyinfo(file.read_text())
@@ -29,26 +36,12 @@ def read_free_blocks(file: ProcFile) -> tuple[ZoneFreeBlocks, ...]:
 
 
 def buddyinfo_families(zones: tuple[ZoneFreeBlocks, ...], page_size: int) -> list[Metric]:
-    contiguous = GaugeMetricFamily(
-        "memtel_node_mem_free_contiguous_bytes",
-        "Free memory in blocks of at least 2 MiB (/proc/buddyinfo, summed over nodes and zones).",
-        value=free_bytes_in_blocks_of_at_least(zones, CONTIGUOUS_BLOCK_BYTES, page_size),
-    )
-    listed = GaugeMetricFamily(
-        "memtel_node_mem_free_buddy_bytes",
-        "Free memory on the page allocator's free lists, every order (/proc/buddyinfo); a little below MemFree, "
-        "which also counts per-CPU lists.",
-        value=free_bytes_in_blocks_of_at_least(zones, 0, page_size),
-    )
-    blocks = GaugeMetricFamily(
-        "memtel_node_mem_free_blocks",
-        "Free blocks of 2^order pages (/proc/buddyinfo, summed over nodes and zones).",
-        labels=["order"],
-    )
+    contiguous = MEM_FREE_CONTIGUOUS.new(free_bytes_in_blocks_of_at_least(zones, CONTIGUOUS_BLOCK_BYTES, page_size))
+    listed = MEM_FREE_BUDDY.new(free_bytes_in_blocks_of_at_least(zones, 0, page_size))
+    blocks = MEM_FREE_BLOCKS.new()
     for order, count in enumerate(free_blocks_by_order(zones)):
         blocks.add_metric([str(order)], count)
-    page = GaugeMetricFamily("memtel_node_page_size_bytes", "The kernel's page size (order 0 block size).",
-                             value=page_size)
+    page = PAGE_SIZE.new(page_size)
     return [contiguous, listed, blocks, page]
 
 
@@ -59,3 +52,8 @@ class BuddyinfoCollector:
 
     def collect(self) -> list[Metric]:
         return buddyinfo_families(read_free_blocks(self.file), self.page_size)
+
+
+@register("buddyinfo", order=40, help="contiguous free memory, free blocks per order (`/proc/buddyinfo`)")
+def build(config: DaemonConfig) -> BuddyinfoCollector:
+    return BuddyinfoCollector(str(config.proc_root / "buddyinfo"))

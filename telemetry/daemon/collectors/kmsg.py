@@ -2,46 +2,42 @@
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING
 
+from prometheus_client.core import Metric
+
+from telemetry.catalogue import metrics as catalogue
 from telemetry.daemon.kmsg.classify import NV_ERR_NO_MEMORY, NVRM_ERROR, OOM_KILL, PATTERN_PREFIX, XID_PREFIX
 from telemetry.daemon.kmsg.counts import CountsSnapshot
 from telemetry.daemon.kmsg.follower import KmsgFollower
+from telemetry.daemon.registry import register
 
-# kind -> (lines counter, events counter, last-seen gauge, what a line is)
+if TYPE_CHECKING:
+    from telemetry.daemon.config import DaemonConfig
+
+# kind -> its (lines counter, events counter, last-seen gauge)
 _PLAIN_KINDS = (
-    (NV_ERR_NO_MEMORY, "memtel_kernel_nv_err_no_memory", "memtel_kernel_nv_err_no_memory_events",
-     "memtel_kernel_nv_err_no_memory_last_seen_timestamp_seconds", "NVIDIA driver lines reporting NV_ERR_NO_MEMORY"),
-    (NVRM_ERROR, "memtel_kernel_nvrm_errors", "memtel_kernel_nvrm_error_events",
-     "memtel_kernel_nvrm_error_last_seen_timestamp_seconds", "NVRM (NVIDIA driver) error lines"),
-    (OOM_KILL, "memtel_kernel_oom_kills", "memtel_kernel_oom_kill_events",
-     "memtel_kernel_oom_kill_last_seen_timestamp_seconds", "kernel OOM-killer kill lines"),
+    (NV_ERR_NO_MEMORY, catalogue.KERNEL_NV_ERR_NO_MEMORY),
+    (NVRM_ERROR, catalogue.KERNEL_NVRM_ERRORS),
+    (OOM_KILL, catalogue.KERNEL_OOM_KILLS),
 )
+# kind prefix -> the same, labelled by the rest of the kind (the Xid code, the pattern's name)
 _LABELED_KINDS = (
-    (XID_PREFIX, "xid", "memtel_kernel_xid", "memtel_kernel_xid_events",
-     "memtel_kernel_xid_last_seen_timestamp_seconds", "NVRM Xid lines, by Xid code"),
-    (PATTERN_PREFIX, "pattern", "memtel_kernel_pattern_matches", "memtel_kernel_pattern_events",
-     "memtel_kernel_pattern_last_seen_timestamp_seconds", "kernel log lines matching the user pattern"),
+    (XID_PREFIX, catalogue.KERNEL_XID),
+    (PATTERN_PREFIX, catalogue.KERNEL_PATTERN),
 )
 
 
 def kmsg_families(snap: CountsSnapshot, pattern_names: tuple[str, ...] = ()) -> list[Metric]:
     families: list[Metric] = []
-    for kind, lines_name, events_name, seen_name, what in _PLAIN_KINDS:
+    for kind, (lines_family, events_family, seen_family) in _PLAIN_KINDS:
         # These counters always exist (0 until a line comes), so rate() and increase() work from the start.
-        families.append(CounterMetricFamily(lines_name, f"Kernel log: {what}.", value=snap.lines.get(kind, 0)))
-        families.append(CounterMetricFamily(
-            events_name, f"Kernel log: bursts of {what} (lines within the burst window count once).",
-            value=snap.events.get(kind, 0),
-        ))
+        families.append(lines_family.new(snap.lines.get(kind, 0)))
+        families.append(events_family.new(snap.events.get(kind, 0)))
         if kind in snap.last_seen_wall:
-            families.append(GaugeMetricFamily(
-                seen_name, f"Unix time of the last of the {what}.", value=snap.last_seen_wall[kind]
-            ))
-    for prefix, label, lines_name, events_name, seen_name, what in _LABELED_KINDS:
-        lines = CounterMetricFamily(lines_name, f"Kernel log: {what}.", labels=[label])
-        events = CounterMetricFamily(events_name, f"Kernel log: bursts of {what}.", labels=[label])
-        seen = GaugeMetricFamily(seen_name, f"Unix time of the last of the {what}.", labels=[label])
+            families.append(seen_family.new(snap.last_seen_wall[kind]))
+    for prefix, (lines_family, events_family, seen_family) in _LABELED_KINDS:
+        lines, events, seen = lines_family.new(), events_family.new(), seen_family.new()
         if prefix == PATTERN_PREFIX:
             # Configured patterns only (0 from the start); counts restored for a pattern since removed are dropped.
             values = sorted(pattern_names)
@@ -54,24 +50,10 @@ def kmsg_families(snap: CountsSnapshot, pattern_names: tuple[str, ...] = ()) -> 
             if kind in snap.last_seen_wall:
                 seen.add_metric([value], snap.last_seen_wall[kind])
         families.extend((lines, events, seen))
-    families.append(CounterMetricFamily(
-        "memtel_kernel_kmsg_records", "Kernel log records read and classified this boot.", value=snap.records
-    ))
-    families.append(CounterMetricFamily(
-        "memtel_kernel_kmsg_missed_records",
-        "Kernel log records lost before they were read (ring-buffer overruns, sequence gaps).", value=snap.missed,
-    ))
-    families.append(CounterMetricFamily(
-        "memtel_kernel_kmsg_state_write_failures",
-        "Failed writes of the kmsg state file (the last good state is kept; kept across restarts).",
-        value=snap.state_write_failures,
-    ))
-    families.append(CounterMetricFamily(
-        "memtel_kernel_kmsg_ignored_test_lines",
-        "Kernel log lines written by memtel's own test suite (they start with 'memtel-test:'), read this boot and "
-        "counted nowhere else (kmsg.ignore_test_lines).",
-        value=snap.ignored_test_lines,
-    ))
+    families.append(catalogue.KMSG_RECORDS.new(snap.records))
+    families.append(catalogue.KMSG_MISSED_RECORDS.new(snap.missed))
+    families.append(catalogue.KMSG_STATE_WRITE_FAILURES.new(snap.state_write_failures))
+    families.append(catalogue.KMSG_IGNORED_TEST_LINES.new(snap.ignored_test_lines))
     return families
 
 
@@ -80,8 +62,33 @@ class KmsgCollector:
         self.follower = follower
         self.pattern_names = pattern_names
 
+    def start(self) -> None:
+        """Read the saved counts and start following the kernel log (after the state directory is made safe)."""
+        self.follower.load_state()
+        self.follower.start()
+
+    def stop(self) -> None:
+        self.follower.stop()
+
     def collect(self) -> list[Metric]:
         error = self.follower.error
         if error is not None:
             raise RuntimeError(error)
         return kmsg_families(self.follower.counts.snapshot(), self.pattern_names)
+
+
+@register("kmsg", order=80, help="NVIDIA driver errors, Xids and OOM kills in the kernel log (`/dev/kmsg`)",
+          uses_state_dir=True)
+def build(config: DaemonConfig) -> KmsgCollector:
+    from telemetry.daemon.kmsg.classify import Classifier
+    from telemetry.daemon.kmsg.counts import KmsgCounts
+    from telemetry.daemon.kmsg.state import STATE_FILE_NAME, read_boot_id
+
+    kmsg = config.kmsg
+    follower = KmsgFollower(
+        kmsg.path, Classifier(kmsg.patterns, ignore_test_lines=kmsg.ignore_test_lines),
+        KmsgCounts(kmsg.burst_window_seconds, kmsg.max_xid_codes),
+        state_path=config.state_dir / STATE_FILE_NAME,
+        boot_id=read_boot_id(str(config.proc_root / "sys/kernel/random/boot_id")),
+    )
+    return KmsgCollector(follower, tuple(p.name for p in kmsg.patterns))

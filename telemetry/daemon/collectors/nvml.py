@@ -17,11 +17,15 @@ import logging
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
-from telemetry.daemon.registry import CollectorUnavailable
+from telemetry.catalogue import metrics as catalogue
+from telemetry.daemon.registry import CollectorUnavailable, register
+
+if TYPE_CHECKING:
+    from telemetry.daemon.config import DaemonConfig
 
 log = logging.getLogger("memtel.daemon.nvml")
 
@@ -158,27 +162,17 @@ def _text(value: Any) -> str:
 
 
 def nvml_available_family(available: bool) -> Metric:
-    return GaugeMetricFamily("memtel_gpu_nvml_available", "1 if the NVML library loaded and initialised, else 0.",
-                             value=1 if available else 0)
+    return catalogue.GPU_NVML_AVAILABLE.new(1 if available else 0)
 
 
 def nvml_families(snapshot: NvmlSnapshot, max_processes: int = 32) -> list[Metric]:
-    info = GaugeMetricFamily("memtel_gpu_info", "One series per GPU (always 1).",
-                             labels=["gpu", "uuid", "name", "driver_version"])
-    unified = GaugeMetricFamily(
-        "memtel_gpu_unified_memory",
-        "1 when NVML does not report device memory (NOT_SUPPORTED: unified memory, GPU memory is host memory).",
-        labels=["gpu", "uuid"],
-    )
-    used = GaugeMetricFamily("memtel_gpu_memory_used_bytes", "Device memory used.", labels=["gpu", "uuid"])
-    total = GaugeMetricFamily("memtel_gpu_memory_total_bytes", "Device memory total.", labels=["gpu", "uuid"])
-    proc_used = GaugeMetricFamily(
-        "memtel_gpu_process_memory_used_bytes", "GPU memory used by one process (NVML running processes).",
-        labels=["gpu", "uuid", "pid", "process"],
-    )
-    proc_count = GaugeMetricFamily("memtel_gpu_processes", "Processes NVML lists on this GPU.", labels=["gpu", "uuid"])
-    power = GaugeMetricFamily("memtel_gpu_power_watts", "GPU power draw (NVML power usage); absent where NVML "
-                              "cannot say.", labels=["gpu", "uuid"])
+    info = catalogue.GPU_INFO.new()
+    unified = catalogue.GPU_UNIFIED_MEMORY.new()
+    used = catalogue.GPU_MEMORY_USED.new()
+    total = catalogue.GPU_MEMORY_TOTAL.new()
+    proc_used = catalogue.GPU_PROCESS_MEMORY_USED.new()
+    proc_count = catalogue.GPU_PROCESSES.new()
+    power = catalogue.GPU_POWER.new()
     for gpu in snapshot.gpus:
         ids = [str(gpu.index), gpu.uuid]
         info.add_metric([*ids, gpu.name, snapshot.driver_version], 1)
@@ -228,3 +222,8 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@register("nvml", order=60, help="GPU memory, the unified-memory marker, per-process GPU memory, power (NVML)")
+def build(config: DaemonConfig) -> NvmlCollector:
+    return NvmlCollector(max_processes=config.nvml.max_processes)

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from typing import TYPE_CHECKING
 
+from prometheus_client.core import Metric
+
+from telemetry.catalogue.metrics import PRESSURE_KINDS
+from telemetry.daemon.registry import register
 from telemetry.procfs.pressure import PRESSURE_MEMORY_PATH, PressureLine, parse_pressure
 from telemetry.procfs.procfile import ProcFile
 
-_HELP = {
-    "some": "Time in which at least one task was stalled on memory (PSI some total).",
-    "full": "Time in which all non-idle tasks were stalled on memory at once (PSI full total).",
-}
-
+if TYPE_CHECKING:
+    from telemetry.daemon.config import DaemonConfig
 
 def pressure_families(lines: dict[str, PressureLine]) -> list[Metric]:
-    return [
-        CounterMetricFamily(
-            f"memtel_node_pressure_memory_{kind}_seconds", _HELP[kind], value=lines[kind].total_seconds
-        )
-        for kind in ("some", "full")
-        if kind in lines
-    ]
+    return [family.new(lines[kind].total_seconds) for family, kind in PRESSURE_KINDS if kind in lines]
 
 
 class PressureCollector:
@@ -32,3 +27,8 @@ class PressureCollector:
         if not lines:
             raise ValueError(f"{self.file.path} has no PSI lines")
         return pressure_families(lines)
+
+
+@register("pressure", order=30, help="memory stall time, PSI (`/proc/pressure/memory`)")
+def build(config: DaemonConfig) -> PressureCollector:
+    return PressureCollector(str(config.proc_root / "pressure" / "memory"))

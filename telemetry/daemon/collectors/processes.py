@@ -12,11 +12,17 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
+from telemetry.catalogue.metrics import PROCESS_RESIDENT, PROCESS_ROLE_PROCESSES, PROCESS_ROLE_RESIDENT
 from telemetry.daemon.patterns import Searcher
+from telemetry.daemon.registry import register
+
+if TYPE_CHECKING:
+    from telemetry.daemon.config import DaemonConfig
 
 
 @dataclass(frozen=True)
@@ -93,15 +99,9 @@ class ProcessCollector:
                 continue
             by_role[seen.role].append((rss, pid))
 
-        resident = GaugeMetricFamily(
-            "memtel_process_resident_bytes", "Resident set size of a matched serving process.", labels=["role", "pid"]
-        )
-        role_resident = GaugeMetricFamily(
-            "memtel_process_role_resident_bytes", "Resident set size of all processes of the role.", labels=["role"]
-        )
-        role_count = GaugeMetricFamily(
-            "memtel_process_role_processes", "Number of running processes matched to the role.", labels=["role"]
-        )
+        resident = PROCESS_RESIDENT.new()
+        role_resident = PROCESS_ROLE_RESIDENT.new()
+        role_count = PROCESS_ROLE_PROCESSES.new()
         for role, members in by_role.items():
             members.sort(reverse=True)
             for rss, pid in members[: self.max_per_role]:
@@ -109,3 +109,11 @@ class ProcessCollector:
             role_resident.add_metric([role], sum(rss for rss, _ in members))
             role_count.add_metric([role], len(members))
         return [resident, role_resident, role_count]
+
+
+@register("processes", order=70, help="resident memory of the serving processes, by role (psutil)")
+def build(config: DaemonConfig) -> ProcessCollector:
+    psutil.PROCFS_PATH = str(config.proc_root)  # psutil reads processes from one global /proc path
+    processes = config.processes
+    return ProcessCollector(processes.roles, max_per_role=processes.max_per_role,
+                            recheck_seconds=processes.recheck_seconds)

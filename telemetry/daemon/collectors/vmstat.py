@@ -1,27 +1,22 @@
-"""vmstat collector: swap traffic, OOM kills and major faults from /proc/vmstat, as counters."""
+"""vmstat collector: swap traffic, OOM kills, major faults, compaction and huge-page faults from /proc/vmstat,
+as counters."""
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from typing import TYPE_CHECKING
 
+from prometheus_client.core import Metric
+
+from telemetry.catalogue.metrics import VMSTAT_FIELDS
+from telemetry.daemon.registry import register
 from telemetry.procfs.procfile import ProcFile
 from telemetry.procfs.vmstat import VMSTAT_PATH, parse_vmstat
 
-# (vmstat field, help); metric names are memtel_node_vmstat_<field>_total.
-_COUNTERS = (
-    ("pswpin", "Pages swapped in since boot (pswpin)."),
-    ("pswpout", "Pages swapped out since boot (pswpout)."),
-    ("oom_kill", "Processes killed by the kernel OOM killer since boot (oom_kill)."),
-    ("pgmajfault", "Major page faults since boot (pgmajfault)."),
-)
-
+if TYPE_CHECKING:
+    from telemetry.daemon.config import DaemonConfig
 
 def vmstat_families(values: dict[str, int]) -> list[Metric]:
-    return [
-        CounterMetricFamily(f"memtel_node_vmstat_{field}", help_text, value=values[field])
-        for field, help_text in _COUNTERS
-        if field in values
-    ]
+    return [family.new(values[field]) for family, field in VMSTAT_FIELDS if field in values]
 
 
 class VmstatCollector:
@@ -33,3 +28,8 @@ class VmstatCollector:
         if not values:
             raise ValueError(f"{self.file.path} has no `name value` lines: not a vmstat file")
         return vmstat_families(values)
+
+
+@register("vmstat", order=20, help="swap traffic, OOM kills and page faults (`/proc/vmstat`)")
+def build(config: DaemonConfig) -> VmstatCollector:
+    return VmstatCollector(str(config.proc_root / "vmstat"))

@@ -13,6 +13,12 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from telemetry.catalogue.metrics import (
+    FAMILIES,
+    FORECAST_FIT_BUDGET,
+    FORECAST_HELPER_CPU,
+    FORECAST_MAX_PREFILL_TOKENS,
+)
 from telemetry.hook.forecast.runner import Forecaster
 from telemetry.hook.rank import resolve_rank
 from telemetry.hook.state import HookState
@@ -25,7 +31,7 @@ _FORECAST_GAUGES = (
     ("peak_reserved_bytes", "memtel_forecast_peak_reserved_bytes",
      "The allocator's highest reserved bytes during the next prefill of `tokens` tokens, forecast from its live "
      "state (absolute, as memtel_allocator_reserved_bytes counts)."),
-    ("device_allocs", "memtel_forecast_device_alloc",
+    ("num_device_alloc", "memtel_forecast_device_alloc",
      "Device allocs (num_device_alloc: cudaMalloc calls, or map calls under expandable segments) the allocator "
      "would make during the next prefill of `tokens` tokens, forecast from its live state."),
 )
@@ -37,6 +43,11 @@ class ForecastCollector(Collector):
     def __init__(self, forecaster: Forecaster, state: HookState) -> None:
         self.forecaster = forecaster
         self.state = state
+
+    def describe(self) -> list[Metric]:
+        """The catalogue's forecast families: registering the collector must not collect (that would read the
+        forecaster's results and resolve the rank inside the host process at install time)."""
+        return [family.new() for family in FAMILIES.values() if family.source == "forecast"]
 
     def collect(self) -> Iterator[Metric]:
         results = self.forecaster.results
@@ -56,6 +67,12 @@ class ForecastCollector(Collector):
                 "workload).", labels=[*info, "rank", "node"])
             workload.add_metric([*info.values(), rank, node], 1)
             yield workload
+        if results.max_fit is not None and results.budget is not None:
+            for entry, value in ((FORECAST_MAX_PREFILL_TOKENS, results.max_fit.tokens),
+                                 (FORECAST_FIT_BUDGET, results.budget.budget_bytes)):
+                fit = entry.new()
+                fit.add_metric([rank, node], value)
+                yield fit
         if results.last_duration_s is not None:
             yield _one("memtel_forecast_last_duration_seconds",
                        "Wall time of the live forecast's last cycle: the allocator snapshot, reading it and simulating "
@@ -70,11 +87,16 @@ class ForecastCollector(Collector):
                                   "thread).", labels=["rank", "node"])
         cpu.add_metric([rank, node], results.cpu_seconds)
         yield cpu
+        helper_cpu = FORECAST_HELPER_CPU.new()
+        helper_cpu.add_metric([rank, node], results.helper_cpu_seconds)
+        yield helper_cpu
         failures = CounterMetricFamily("memtel_forecast_failures",
                                        "Live forecast cycles that failed, by reason: snapshot (taking or reading the "
                                        "allocator snapshot), unsupported_state (the snapshot holds what the simulator "
                                        "does not model), settings (allocator settings it cannot simulate), "
-                                       "simulation (any other error).", labels=["reason", "rank", "node"])
+                                       "simulation (any other error, or the helper process failing), budget (the "
+                                       "fit budget could not be read), unavailable (the forecast cannot run in this "
+                                       "process: no CUDA device).", labels=["reason", "rank", "node"])
         for reason, count in sorted(results.failures.items()):
             failures.add_metric([reason, rank, node], count)
         yield failures

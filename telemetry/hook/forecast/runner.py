@@ -8,7 +8,9 @@ exporter. A cycle (`run_once`):
 2. the allocator's segments from the hook's allocator reader (`torch.cuda.memory_snapshot()`, or the
    allocator source's snapshot), none before the first hooked call bound a device;
 3. if they, the workload and the allocator settings are what the last cycle saw, the last forecasts stand;
-   else `telemetry.model.indexer.forecast.forecast` for each length, on a simulator seeded with the segments.
+   else `telemetry.model.indexer.forecast.forecast` for each length, on a simulator seeded with the segments;
+4. the fit budget (budget.py) and the longest prefill that fits in it (`telemetry.model.indexer.fit`), searched
+   again when the segments changed or the budget left the range where the last answer stays exact.
 
 Never on the hooked call's path, and never raising: a failed cycle is counted by reason (`FAILURE_REASONS`),
 leaves the forecast out until the next success, and is logged at most once a minute. A daemon thread: it never
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,9 +29,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from telemetry.hook import allocator
+from telemetry.hook.forecast.helper import ForecastHelper, HelperError
 from telemetry.hook.forecast.workload import REFERENCE, ForecastWorkload, process_alloc_conf, program_workload
 
 if TYPE_CHECKING:
+    from telemetry.hook.forecast.budget import BudgetBase, FitBudget
+    from telemetry.hook.forecast.compute import CycleOutput
+    from telemetry.model.indexer.fit import MaxFit
     from telemetry.model.indexer.forecast import Forecast
 
 log = logging.getLogger("memtel.hook")
@@ -38,7 +45,9 @@ SNAPSHOT = "snapshot"                    # taking or reading the allocator's seg
 UNSUPPORTED_STATE = "unsupported_state"  # the segments hold what the simulator does not model (SnapshotError)
 SETTINGS = "settings"                    # the allocator settings cannot be simulated
 SIMULATION = "simulation"                # anything else in the simulation
-FAILURE_REASONS = (SNAPSHOT, UNSUPPORTED_STATE, SETTINGS, SIMULATION)
+BUDGET = "budget"                        # the fit budget could not be read (the forecasts still stand)
+UNAVAILABLE = "unavailable"              # the forecast cannot run in this process (no CUDA device): said once
+FAILURE_REASONS = (SNAPSHOT, UNSUPPORTED_STATE, SETTINGS, SIMULATION, BUDGET, UNAVAILABLE)
 LOG_EVERY_S = 60.0
 
 
@@ -72,6 +81,28 @@ class ForecastResults:
     last_success_s: float | None = None      # unix time of the snapshot of the last successful cycle
     failures: dict[str, int] = field(default_factory=dict)
     cpu_seconds: float = 0.0                 # CPU time of every cycle so far (the thread's cost)
+    budget: FitBudget | None = None          # the fit budget of the last successful cycle (None: none to read)
+    max_fit: MaxFit | None = None            # the longest prefill that fits in it (None: no budget, or no forecast)
+    helper_cpu_seconds: float = 0.0          # CPU time the helper process spent simulating (not this process's)
+
+
+def _same(segments: Any, last: Any, pause: Callable[[], None], batch: int = 64) -> bool:
+    """Whether two snapshots' segments are equal, compared `batch` segments at a time with a pause between (a
+    whole compare of 5,000 equal segments holds the GIL for several ms)."""
+    if last is None or len(segments) != len(last):
+        return False
+    for start in range(0, len(segments), batch):
+        if segments[start:start + batch] != last[start:start + batch]:
+            return False
+        pause()
+    return True
+
+
+class SimulationFailed(Exception):
+    def __init__(self, reason: str, message: object) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
 
 
 class Forecaster:
@@ -80,7 +111,7 @@ class Forecaster:
     def __init__(self, tokens: tuple[int, ...], interval_s: float, *, config_workload: ForecastWorkload | None = None,
                  waiting_for_model: Callable[[], bool] = lambda: False,
                  reader: Callable[[], Any] = allocator.current_reader, environ: Mapping[str, str] = os.environ,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, helper: bool = True) -> None:
         self.tokens = tokens
         self.interval_s = interval_s
         self.config_workload = config_workload
@@ -93,13 +124,19 @@ class Forecaster:
         self._no_indexer: str | None = None      # why vLLM's model has nothing to forecast
         self._reference: ForecastWorkload | None = None
         self._checked_confs: dict[str, str | None] = {}   # alloc conf -> None (simulable) or the error
+        # The simulation's process (helper.py); None: in this process (tests, and where asked).
+        self._helper: ForecastHelper | None = ForecastHelper() if helper else None
         self._reset_threads()
 
     def _reset_threads(self) -> None:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_key: tuple | None = None      # (segments, device, workload, alloc conf) of the last forecasts
+        self._last_key: tuple | None = None      # (device, workload, alloc conf) of the last forecasts
+        self._last_segments: Any = None          # and the snapshot's segments they started from
+        self._said_no_budget = False
+        self._said_off = False
+        self._last_counters: tuple[int, int] | None = None   # (allocated, reserved) of the last simulated state
         self._last_log = -LOG_EVERY_S
         self._unlogged = 0
         self._announced: ForecastWorkload | None = None
@@ -146,6 +183,11 @@ class Forecaster:
         head = f"{lengths} tokens every {self.interval_s:g} s"
         # Not self.workload(): this runs at a process's first hooked call, which must not build the reference.
         workload = program_workload() or self._vllm_workload or self.config_workload
+        if workload is None and self._no_indexer is not None:
+            return f"off ({self._no_indexer})"
+        unavailable = self.unavailable()
+        if unavailable is not None:
+            return f"off ({unavailable})"
         if workload is not None:
             self._announced = workload   # the first cycle need not say it again
             return f"{head}, {workload.describe()}"
@@ -171,11 +213,13 @@ class Forecaster:
 
     def _cycle(self, started: float) -> bool:
         from telemetry.model.allocsim.config import AllocatorConfigError, parse_alloc_conf
-        from telemetry.model.allocsim.snapshot import SnapshotError, read_allocator_state
-        from telemetry.model.indexer.forecast import forecast
 
         workload = self.workload()
         if workload is None:
+            return False
+        unavailable = self.unavailable()
+        if unavailable is not None:
+            self._off(unavailable)
             return False
         if workload != self._announced:
             self._announced = workload
@@ -206,47 +250,119 @@ class Forecaster:
             self._failed(SETTINGS, problem, started)
             return False
         pause = GilYield()
-        key = (segments, device, workload, conf)
+        base = self._budget_base(device)    # read beside the snapshot
+        key = (device, workload, conf)
         previous = self.results
-        if key == self._last_key and previous.forecasts:
-            self._succeeded(workload, previous.forecasts, started, taken_at)
-            return True
+        same = key == self._last_key and bool(previous.forecasts) and _same(segments, self._last_segments, pause)
+        if same:
+            budget = None if base is None or self._last_counters is None else base.for_allocator(*self._last_counters)
+            # The last search answers again only for the same limit: a different one may change what the simulated
+            # allocator frees and retries on the way.
+            if budget is None or (previous.max_fit is not None and previous.max_fit.limit_bytes == budget.limit_bytes):
+                self._succeeded(workload, previous.forecasts, started, taken_at, budget,
+                                previous.max_fit if budget is not None else None)
+                return True
+        if self._stop.is_set():
+            return False
         try:
-            state = read_allocator_state(segments, device=device, source="the live allocator", pause=pause)
-        except SnapshotError as error:
-            self._failed(UNSUPPORTED_STATE, error, started)
+            output = self._simulate(segments, device, workload, conf, () if same else self.tokens, base, pause)
+        except SimulationFailed as failure:
+            self._failed(failure.reason, failure.message, started)
             return False
-        except Exception as error:
-            self._failed(SNAPSHOT, error, started)
-            return False
-        results = []
-        for tokens in self.tokens:
-            if self._stop.is_set():
-                return False
-            try:
-                results.append(forecast(state, workload.shape, tokens, mode=workload.mode,  # type: ignore[arg-type]
-                                        alloc_conf=conf, pattern=workload.pattern, pause=pause))
-            except SnapshotError as error:
-                self._failed(UNSUPPORTED_STATE, error, started)
-                return False
-        self._last_key = key
-        self._succeeded(workload, tuple(results), started, taken_at)
+        self._last_key, self._last_segments = key, segments
+        self._last_counters = (output.allocated_bytes, output.reserved_bytes)
+        forecasts = previous.forecasts if same else output.forecasts
+        self._succeeded(workload, forecasts, started, taken_at, output.budget, output.max_fit)
         return True
 
-    def _succeeded(self, workload: ForecastWorkload, forecasts: tuple[Forecast, ...], started: float,
-                   taken_at: float) -> None:
+    def _simulate(self, segments: Any, device: int | None, workload: ForecastWorkload, conf: str,
+                  tokens: tuple[int, ...], base: BudgetBase | None, pause: Callable[[], None]) -> CycleOutput:
+        """The cycle's simulation: in the helper process (helper.py), or here without one. SimulationFailed."""
+        from telemetry.hook.forecast.compute import decode_output, encode_request, run_cycle
+        from telemetry.model.allocsim.snapshot import SnapshotError
+
+        if self._helper is None:
+            try:
+                return run_cycle(segments, device, workload, conf, tokens, base, pause)
+            except SnapshotError as error:
+                raise SimulationFailed(UNSUPPORTED_STATE, error) from None
+        try:
+            answer = self._helper.cycle(encode_request(device, workload, conf, tokens, base), segments, pause)
+        except HelperError as error:
+            raise SimulationFailed(SIMULATION, error) from None
         with self._lock:
+            self.results = replace(self.results,
+                                   helper_cpu_seconds=self.results.helper_cpu_seconds + float(answer["cpu_seconds"]))
+        if "ok" not in answer:
+            raise SimulationFailed(str(answer.get("error", SIMULATION)), answer.get("message", "?"))
+        return decode_output(answer["ok"])
+
+    def unavailable(self) -> str | None:
+        """Why the live forecast cannot run in this process (no CUDA device for the CUDA reader), else None."""
+        reader = self.reader()
+        if not isinstance(reader, allocator.CudaAllocatorReader):
+            return None
+        torch = sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "cuda"):
+            return None   # not imported yet: the engine may still bring a device
+        try:
+            available = bool(torch.cuda.is_available())
+        except Exception:
+            available = False
+        if available:
+            return None
+        return ("no CUDA device in this process (torch.cuda.is_available() is False): the live forecast simulates "
+                "the CUDA caching allocator from its snapshot (another allocator: set_allocator_source(..., "
+                "snapshot=...))")
+
+    def _off(self, why: str) -> None:
+        """Count a cycle that cannot run; say why once."""
+        with self._lock:
+            failures = dict(self.results.failures)
+            failures[UNAVAILABLE] = failures.get(UNAVAILABLE, 0) + 1
+            self.results = replace(self.results, failures=failures)
+            said, self._said_off = self._said_off, True
+        if not said:
+            log.warning("memtel: live forecast off in pid %d: %s; memtel_forecast_failures_total{reason=%r} counts "
+                        "its cycles", os.getpid(), why, UNAVAILABLE)
+
+    def _budget_base(self, device: int | None) -> BudgetBase | None:
+        """The fit budget's base now; None (counted under `budget` when reading it failed, said once when there is
+        none)."""
+        from telemetry.hook.forecast.budget import read_budget_base
+
+        try:
+            base = read_budget_base(self.reader(), device, environ=self.environ)
+        except Exception as error:
+            self._count(BUDGET, f"cannot read the fit budget: {error}")
+            return None
+        if base is None and not self._said_no_budget:
+            self._said_no_budget = True
+            log.info("memtel: live forecast in pid %d: no fit budget (the allocator source gives none: "
+                     "set_forecast_budget); memtel_forecast_max_prefill_tokens is not exported", os.getpid())
+        return base
+
+    def _succeeded(self, workload: ForecastWorkload, forecasts: tuple[Forecast, ...], started: float,
+                   taken_at: float, budget: FitBudget | None = None, max_fit: MaxFit | None = None) -> None:
+        with self._lock:
+            old = self.results
             self.results = ForecastResults(workload, forecasts, time.perf_counter() - started, taken_at,
-                                           self.results.failures, self.results.cpu_seconds)
+                                           old.failures, old.cpu_seconds, budget, max_fit, old.helper_cpu_seconds)
 
     def _failed(self, reason: str, error: object, started: float) -> None:
         with self._lock:
             old = self.results
-            failures = dict(old.failures)
-            failures[reason] = failures.get(reason, 0) + 1
             self.results = ForecastResults(old.workload, (), time.perf_counter() - started, old.last_success_s,
-                                           failures, old.cpu_seconds)
+                                           old.failures, old.cpu_seconds, helper_cpu_seconds=old.helper_cpu_seconds)
             self._last_key = None
+        self._count(reason, error)
+
+    def _count(self, reason: str, error: object) -> None:
+        """Count a failure by reason and log it (at most once a minute)."""
+        with self._lock:
+            failures = dict(self.results.failures)
+            failures[reason] = failures.get(reason, 0) + 1
+            self.results = replace(self.results, failures=failures)
             now = time.monotonic()
             if now - self._last_log < LOG_EVERY_S:
                 self._unlogged += 1
@@ -284,15 +400,19 @@ class Forecaster:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread() and thread.is_alive():
             thread.join(timeout)
+        if self._helper is not None:
+            self._helper.close()
 
     def reset_after_fork(self) -> None:
         """A forked child has no thread and another allocator: it starts again (with its exporter)."""
         stopped = self._stop.is_set()
         self._reset_threads()
+        if self._helper is not None:
+            self._helper.forget_after_fork()
         if stopped:
             self._stop.set()
         self.results = ForecastResults(self.results.workload)
 
 
-__all__ = ["FAILURE_REASONS", "SETTINGS", "SIMULATION", "SNAPSHOT", "UNSUPPORTED_STATE", "ForecastResults",
-           "Forecaster"]
+__all__ = ["BUDGET", "FAILURE_REASONS", "SETTINGS", "SIMULATION", "SNAPSHOT", "UNAVAILABLE", "UNSUPPORTED_STATE",
+           "ForecastResults", "Forecaster", "SimulationFailed"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from telemetry.argtypes import bounded_float, bounded_int
 from telemetry.errors import ConfigError
-from telemetry.limits import MAX_CAPACITY_GIB, MAX_OP_FILE_BYTES
+from telemetry.limits import MAX_CAPACITY_GIB, MAX_OP_FILE_BYTES, MAX_SNAPSHOT_BLOCKS, MAX_SNAPSHOT_OBJECTS
 from telemetry.model.allocsim.ops import OpFileError, first_mismatch, load_op_file, parse_op_json, replay_cases
 from telemetry.model.allocsim.snapshot_file import DEFAULT_MAX_BYTES
 
@@ -31,13 +31,19 @@ GIB = 1024**3
 
 
 def add_snapshot_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--device` and `--max-file-gb`, shared by the commands that read snapshots and traces."""
+    """`--device`, `--max-file-gb`, `--max-objects` and `--max-blocks`: the commands that read snapshots and traces."""
     parser.add_argument("--device", type=bounded_int(0, 1023), default=None,
                         help="the CUDA device to take from a snapshot of several devices")
     parser.add_argument("--max-file-gb", type=bounded_float(0, MAX_FILE_GIB, above_minimum=True),
                         default=DEFAULT_MAX_BYTES / GIB,
                         help="refuse snapshot files larger than this many GiB, before reading "
                              f"(default {DEFAULT_MAX_BYTES // GIB})")
+    parser.add_argument("--max-objects", type=bounded_int(1, 10**9), default=MAX_SNAPSHOT_OBJECTS, metavar="N",
+                        help="refuse snapshot files that hold more objects than this (dicts, lists and tuples "
+                             f"while reading, and trace entries) (default {MAX_SNAPSHOT_OBJECTS:,})")
+    parser.add_argument("--max-blocks", type=bounded_int(1, 10**9), default=MAX_SNAPSHOT_BLOCKS, metavar="N",
+                        help="refuse snapshots of more segments and blocks than this, shared ones counted each "
+                             f"time (default {MAX_SNAPSHOT_BLOCKS:,})")
 
 
 def write_stdout(text: str) -> None:
@@ -73,34 +79,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if str(args.file) == "-":
-            raw = sys.stdin.buffer.read(MAX_OP_FILE_BYTES + 1)
-            if len(raw) > MAX_OP_FILE_BYTES:
-                raise OpFileError(f"stdin: more than {MAX_OP_FILE_BYTES:,} bytes; expected an op file (JSON)")
-            data = parse_op_json(raw, "stdin")
-        else:
-            data = load_op_file(args.file)
-        if args.config is not None and isinstance(data, dict):
-            data = dict(data, config=args.config)
-        capacity = int(args.capacity_gb * GIB) if args.capacity_gb is not None else None
-        if capacity is not None and capacity < 0:
-            raise OpFileError(f"--capacity-gb must be >= 0, got {args.capacity_gb}")
-        start = None
-        if args.from_snapshot is not None:
-            from telemetry.model.allocsim.snapshot import load_allocator_state
+    if str(args.file) == "-":
+        raw = sys.stdin.buffer.read(MAX_OP_FILE_BYTES + 1)
+        if len(raw) > MAX_OP_FILE_BYTES:
+            raise OpFileError(f"stdin: more than {MAX_OP_FILE_BYTES:,} bytes; expected an op file (JSON)")
+        data = parse_op_json(raw, "stdin")
+    else:
+        data = load_op_file(args.file)
+    if args.config is not None and isinstance(data, dict):
+        data = dict(data, config=args.config)
+    capacity = int(args.capacity_gb * GIB) if args.capacity_gb is not None else None
+    if capacity is not None and capacity < 0:
+        raise OpFileError(f"--capacity-gb must be >= 0, got {args.capacity_gb}")
+    start = None
+    if args.from_snapshot is not None:
+        from telemetry.model.allocsim.snapshot import load_allocator_state
 
-            start = load_allocator_state(args.from_snapshot, device=args.device, max_bytes=max_file_bytes(args))
-            config = data.get("config") or "" if isinstance(data, dict) else ""
-            if start.alloc_conf is not None and start.alloc_conf != config:
-                print(f"memtel allocsim: note: the snapshot's process ran with {start.alloc_conf!r}; "
-                      f"replaying under {config!r}", file=sys.stderr)
-            for note in start.notes:
-                print(f"memtel allocsim: note: {note}", file=sys.stderr)
-        results = replay_cases(data, capacity_bytes=capacity, source=str(args.file), start=start)
-    except ConfigError as exc:
-        print(f"memtel allocsim: {exc}", file=sys.stderr)
-        return 2
+        start = load_allocator_state(args.from_snapshot, device=args.device, max_bytes=max_file_bytes(args),
+                                     max_objects=args.max_objects, max_blocks=args.max_blocks)
+        config = data.get("config") or "" if isinstance(data, dict) else ""
+        if start.alloc_conf is not None and start.alloc_conf != config:
+            print(f"memtel allocsim: note: the snapshot's process ran with {start.alloc_conf!r}; "
+                  f"replaying under {config!r}", file=sys.stderr)
+        for note in start.notes:
+            print(f"memtel allocsim: note: {note}", file=sys.stderr)
+    results = replay_cases(data, capacity_bytes=capacity, source=str(args.file), start=start)
     if not args.check:
         cases = {name: {"after": rows} for name, rows in results.items()}
         write_stdout(json.dumps({"cases": cases}, separators=(",", ":")))
@@ -109,9 +112,7 @@ def run(args: argparse.Namespace) -> int:
     for name, rows in results.items():
         expected = data["cases"][name].get("after")
         if expected is not None and not isinstance(expected, list):
-            print(f"memtel allocsim: case {name!r}: 'after' must be a list of rows, got {type(expected).__name__}",
-                  file=sys.stderr)
-            return 2
+            raise OpFileError(f"case {name!r}: 'after' must be a list of rows, got {type(expected).__name__}")
         if expected is None:
             print(f"{name}: no 'after' rows to compare with", file=sys.stderr)
             failed += 1

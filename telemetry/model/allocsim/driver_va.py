@@ -218,6 +218,7 @@ class DriverAddressSpace:
         self._live_chunks = 0
         self._ranges = _Ranges()
         self._owner: dict[int, _Chunk] = {}
+        self._lowest_start: int | None = None   # the lowest chunk ever mapped: new chunks go below it when none is left
         if top is None:
             return
         context = _Chunk(top - CONTEXT_SIZE, top, permanent=True)
@@ -299,6 +300,8 @@ class DriverAddressSpace:
         self._live_chunks += 1
         self._tree.set(chunk.seq, chunk.largest_hole)
         self._ranges.insert(chunk.start, chunk.end)
+        if self._lowest_start is None or chunk.start < self._lowest_start:
+            self._lowest_start = chunk.start
 
     def _compact(self) -> None:
         """Renumber the live chunks 0, 1, ... in creation order (the tree has no free slot left)."""
@@ -313,7 +316,12 @@ class DriverAddressSpace:
     def _new_chunk(self, size: int) -> _Chunk:
         # At the top of the highest free range at least MAP_PAD longer than the chunk, else below all.
         above = self._ranges.highest_with_gap(size + MAP_PAD)
-        start = (above if above is not None else self._ranges.lowest()) - size
+        if above is None:
+            # Below all; a snapshot's space (no context chunk) whose every chunk was freed (a release of the whole
+            # cache before an out-of-memory) starts below the lowest it had.
+            above = self._ranges.lowest() if len(self._ranges) else self._lowest_start
+            assert above is not None   # a space with a context chunk always has a range
+        start = above - size
         if start < 0:
             raise AddressSpaceExhaustedError(
                 f"mapping {size:,} bytes more exhausts the {ARENA_TOP:,}-byte device address space of the driver "

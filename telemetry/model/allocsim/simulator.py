@@ -128,6 +128,8 @@ class CachingAllocatorSim:
 
     `config` is a `PYTORCH_CUDA_ALLOC_CONF` string (or a parsed AllocatorConfig).
     `capacity_bytes` is the device memory the allocator may reserve (None: unlimited).
+    `total_memory` is the device's total memory, which `per_process_memory_fraction` is a fraction of and which
+    sizes the expandable segments' address range (None: `capacity_bytes`, else an H200's).
     `on_segment_map(segment_id, nbytes)` / `on_segment_unmap(segment_id, nbytes)` are called when
     device memory is mapped (cudaMalloc, or one page of an expandable segment) and released; ids
     are unique for the life of the simulator.
@@ -145,12 +147,15 @@ class CachingAllocatorSim:
         on_segment_map: SegmentCallback | None = None,
         on_segment_unmap: SegmentCallback | None = None,
         address_space: Any = None,
+        total_memory: int | None = None,
     ) -> None:
         self.config = config if isinstance(config, AllocatorConfig) else parse_alloc_conf(config)
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self._total_memory = capacity_bytes if capacity_bytes else DEFAULT_TOTAL_MEMORY
+        if total_memory is not None and total_memory < 1:
+            raise ValueError(f"total_memory must be positive or None, got {total_memory}")
+        self._total_memory = total_memory or capacity_bytes or DEFAULT_TOTAL_MEMORY
         self._on_map = on_segment_map
         self._on_unmap = on_segment_unmap
         cfg = self.config
@@ -495,28 +500,67 @@ class CachingAllocatorSim:
         return True
 
     def _garbage_collect(self) -> None:
+        """`garbage_collect_cached_blocks`: free the whole large-pool blocks not reused for longest.
+
+        A block's age is the pool's free-block searches since it was last put into the pool; each pass frees
+        every whole block at least as old as the average age of those left, until the pass that brings reserved
+        bytes to the threshold. Blocks of expandable segments are counted in the average, never freed (as in
+        torch 2.11). Which of several equal-size free blocks a request takes (the lowest address) decides
+        the ages, so the device addresses matter here (whatif.RecordedAddresses).
+        """
+        pool = self._large
+        for block in self._gc_victims():
+            self._release_block(pool, block)
+
+    def _gc_victims(self) -> list[_Block]:
+        """The blocks a garbage-collection pass would free now, in the order it frees them."""
         threshold = int(self.config.garbage_collection_threshold * self._allowed_max)
         if self.reserved_bytes <= threshold:
-            return
+            return []
         target = self.reserved_bytes - threshold
         pool = self._large
         whole = [b for b in pool.ordered() if b.prev is None and b.next is None]
         if not whole:
-            return
+            return []
         total_age = sum(pool.gc_calls - b.gc_base for b in whole)
         count = len(whole)
         reclaimed = 0
         freed = True
+        victims: list[_Block] = []
         while reclaimed < target and freed and count > 0:
             age_threshold = total_age / count
             freed = False
-            for block in pool.ordered():
-                if block.prev is None and block.next is None and pool.gc_calls - block.gc_base >= age_threshold:
+            kept = []
+            for block in whole:  # (size, address) order, as the pool's set
+                age = pool.gc_calls - block.gc_base
+                if block.es is None and age >= age_threshold:
                     freed = True
                     reclaimed += block.size
-                    total_age -= pool.gc_calls - block.gc_base
+                    total_age -= age
                     count -= 1
-                    self._release_block(pool, block)
+                    victims.append(block)
+                else:
+                    kept.append(block)
+            whole = kept
+        return victims
+
+    def garbage_collection_frees(self) -> list[int]:
+        """The sizes a garbage-collection pass would cudaFree now (before an allocation that needs a segment).
+
+        The allocation's own free-block search adds 1 to every age first, which changes no choice.
+        """
+        return [b.size for b in self._gc_victims()] if self._gc else []
+
+    def empty_cache_frees(self) -> list[int] | None:
+        """The sizes `empty_cache()` would cudaFree now, in its order; None if it would also unmap pages."""
+        sizes = []
+        for pool in (self._large, self._small):
+            for block in pool.ordered():
+                if block.es is not None:
+                    return None
+                if block.prev is None and block.next is None:
+                    sizes.append(block.size)
+        return sizes
 
     def _release_cached_blocks(self) -> None:
         for pool in (self._large, self._small):

@@ -29,10 +29,11 @@ from typing import Any
 
 from telemetry.allocator_counters import AllocatorCounters
 from telemetry.errors import ConfigError
+from telemetry.limits import MAX_SNAPSHOT_BLOCKS, MAX_SNAPSHOT_OBJECTS
 
 from .config import SIZE_MAX, AllocatorConfig, AllocatorConfigError, format_alloc_conf, parse_alloc_conf, same_settings
 from .simulator import CachingAllocatorSim
-from .snapshot_file import DEFAULT_MAX_BYTES, read_snapshot_file
+from .snapshot_file import DEFAULT_MAX_BYTES, objects_limit_error, read_snapshot_file
 
 BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
 SEGMENT_TYPES = ("large", "small")
@@ -41,6 +42,10 @@ DEFAULT_POOL = (0, 0)
 
 class SnapshotError(ConfigError):
     """A snapshot that is not one, or holds what the simulator does not model; the message says which."""
+
+
+class _TooMany(Exception):
+    """More segments and blocks than the object limit."""
 
 
 @dataclass(frozen=True)
@@ -100,13 +105,27 @@ class AllocatorState:
         return sum(1 for s in self.segments for b in s.blocks if b.live)
 
 
+UINT64_END = 2**64  # addresses, sizes and stream handles are 64-bit unsigned in the allocator
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """`value` for an error message, whatever it is (an integer of 5,000 digits, a cycle, a huge list)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length():,} bits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError, MemoryError):  # repr of a list holding a 5,000-digit integer, ...
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _int(value: Any, what: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SnapshotError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < UINT64_END:
+        raise SnapshotError(f"{what} must be an integer from {minimum} below 2**64, got {shown(value)}")
     return value
 
 
-def _segment(raw: Any, index: int) -> tuple[int, SnapshotSegment]:
+def _segment(raw: Any, index: int, budget: list[int] | None = None) -> tuple[int, SnapshotSegment]:
     where = f"segment {index}"
     if not isinstance(raw, Mapping):
         raise SnapshotError(f"not a memory snapshot: {where} is a {type(raw).__name__}, expected a dict with "
@@ -119,19 +138,23 @@ def _segment(raw: Any, index: int) -> tuple[int, SnapshotSegment]:
     where = f"segment {index} at {address:#x}"
     kind = raw.get("segment_type", "large" if total > 2 * 1024 * 1024 else "small")
     if kind not in SEGMENT_TYPES:
-        raise SnapshotError(f"{where}: unknown segment_type {kind!r} (expected 'large' or 'small')")
+        raise SnapshotError(f"{where}: unknown segment_type {shown(kind)} (expected 'large' or 'small')")
     device = _int(raw.get("device", 0), f"{where}: device")
     stream = _int(raw.get("stream", 0), f"{where}: stream")
     pool = raw.get("segment_pool_id", DEFAULT_POOL)
     if not isinstance(pool, (tuple, list)) or len(pool) != 2:
-        raise SnapshotError(f"{where}: segment_pool_id must be a pair of integers, got {pool!r}")
+        raise SnapshotError(f"{where}: segment_pool_id must be a pair of integers, got {shown(pool)}")
     pool_id = (_int(pool[0], f"{where}: segment_pool_id"), _int(pool[1], f"{where}: segment_pool_id"))
     expandable = raw.get("is_expandable", False)
     if not isinstance(expandable, bool):
-        raise SnapshotError(f"{where}: is_expandable must be true or false, got {expandable!r}")
+        raise SnapshotError(f"{where}: is_expandable must be true or false, got {shown(expandable)}")
     raw_blocks = raw["blocks"]
     if not isinstance(raw_blocks, (list, tuple)) or not raw_blocks:
         raise SnapshotError(f"{where}: 'blocks' must be a non-empty list")
+    if budget is not None:
+        budget[0] -= len(raw_blocks) + 1
+        if budget[0] < 0:
+            raise _TooMany()
     blocks = []
     cursor = address
     for j, b in enumerate(raw_blocks):
@@ -140,12 +163,12 @@ def _segment(raw: Any, index: int) -> tuple[int, SnapshotSegment]:
         size = _int(b["size"], f"{where}, block {j}: size", 1)
         state = b["state"]
         if state not in BLOCK_STATES:
-            raise SnapshotError(f"{where}, block {j}: unknown block state {state!r} (the simulator knows "
+            raise SnapshotError(f"{where}, block {j}: unknown block state {shown(state)} (the simulator knows "
                                 f"{', '.join(BLOCK_STATES)})")
         block_address = b.get("address", cursor)
         if block_address != cursor:
-            shown = f"{block_address:#x}" if isinstance(block_address, int) else repr(block_address)
-            raise SnapshotError(f"{where}, block {j}: address {shown} where the blocks before it end at "
+            text = f"{block_address:#x}" if isinstance(block_address, int) else shown(block_address)
+            raise SnapshotError(f"{where}, block {j}: address {text} where the blocks before it end at "
                                 f"{cursor:#x}: blocks must tile the segment in address order")
         blocks.append(SnapshotBlock(cursor, size, state))
         cursor += size
@@ -168,20 +191,25 @@ def settings_alloc_conf(settings: Any) -> str | None:
     split = settings.get("max_split_size", given.max_split_size)
     threshold = settings.get("garbage_collection_threshold", given.garbage_collection_threshold)
     expandable = settings.get("expandable_segments", given.expandable_segments)
+    expandable = expandable if isinstance(expandable, bool) else given.expandable_segments
     divisions = list(given.roundup_power2_divisions)
     raw = settings.get("roundup_power2_divisions")
     if isinstance(raw, Mapping):
         for key, value in raw.items():
-            if str(key).isdigit() and isinstance(value, int):
+            if isinstance(key, (str, int)) and len(str(key)) < 8 and str(key).isdigit() and isinstance(value, int) \
+                    and 0 <= value < 2**16:
                 index = int(key).bit_length() - 1
                 if 0 <= index < len(divisions):
                     divisions[index] = value
-    elif isinstance(raw, (list, tuple)) and len(raw) == len(divisions):
+    elif isinstance(raw, (list, tuple)) and len(raw) == len(divisions) and all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**16 for v in raw):
         divisions = [int(v) for v in raw]
+    if not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and 0 <= threshold <= 1):
+        threshold = given.garbage_collection_threshold
     effective = AllocatorConfig(
-        max_split_size=split if isinstance(split, int) and split > 0 else SIZE_MAX,  # SIZE_MAX arrives as -1
+        max_split_size=split if isinstance(split, int) and 0 < split < UINT64_END else SIZE_MAX,  # SIZE_MAX is -1
         max_non_split_rounding_size=given.max_non_split_rounding_size,
-        garbage_collection_threshold=float(threshold) if isinstance(threshold, (int, float)) else 0.0,
+        garbage_collection_threshold=float(threshold),
         roundup_power2_divisions=tuple(divisions),
         expandable_segments=bool(expandable),
         per_process_memory_fraction=given.per_process_memory_fraction,
@@ -190,7 +218,8 @@ def settings_alloc_conf(settings: Any) -> str | None:
 
 
 def read_allocator_state(doc: Any, *, device: int | None = None, source: str = "snapshot",
-                         pause: Callable[[], None] | None = None) -> AllocatorState:
+                         pause: Callable[[], None] | None = None,
+                         max_blocks: int = MAX_SNAPSHOT_BLOCKS) -> AllocatorState:
     """The allocator state in a snapshot document (a segment list, or a dict with `segments`).
 
     This is what the hook's forecast thread calls with `torch.cuda.memory_snapshot()` directly; `pause` is
@@ -210,14 +239,20 @@ def read_allocator_state(doc: Any, *, device: int | None = None, source: str = "
         raise SnapshotError(f"{source}: not a memory snapshot: expected a list of segments, "
                             f"got {type(segments_raw).__name__}")
     by_device: dict[int, list[SnapshotSegment]] = {}
+    budget = [max_blocks]  # segments and blocks, shared ones counted each time (they are read each time)
+    too_many = objects_limit_error(source, max_blocks, "segments and blocks", "--max-blocks")
+    if len(segments_raw) > max_blocks:
+        raise SnapshotError(str(too_many))
     try:
         for index, raw in enumerate(segments_raw):
-            dev, segment = _segment(raw, index)
+            dev, segment = _segment(raw, index, budget)
             by_device.setdefault(dev, []).append(segment)
             if pause is not None:
                 pause()
     except SnapshotError as exc:
         raise SnapshotError(f"{source}: {exc}") from None
+    except _TooMany:
+        raise SnapshotError(str(too_many)) from None
     if device is None:
         if len(by_device) > 1:
             raise SnapshotError(f"{source}: segments of several devices ({', '.join(map(str, sorted(by_device)))}); "
@@ -251,9 +286,11 @@ def read_allocator_state(doc: Any, *, device: int | None = None, source: str = "
 
 
 def load_allocator_state(path: str | os.PathLike[str], *, device: int | None = None,
-                         max_bytes: int = DEFAULT_MAX_BYTES) -> AllocatorState:
+                         max_bytes: int = DEFAULT_MAX_BYTES, max_objects: int = MAX_SNAPSHOT_OBJECTS,
+                         max_blocks: int = MAX_SNAPSHOT_BLOCKS) -> AllocatorState:
     """Read a snapshot file (JSON or data-only pickle, optionally gzip) into an AllocatorState."""
-    return read_allocator_state(read_snapshot_file(path, max_bytes), device=device, source=str(path))
+    return read_allocator_state(read_snapshot_file(path, max_bytes, max_objects), device=device, source=str(path),
+                                max_blocks=max_blocks)
 
 
 def seeded_simulator(state: AllocatorState, config: str | AllocatorConfig | None = None, *,
@@ -279,5 +316,5 @@ def seeded_simulator(state: AllocatorState, config: str | AllocatorConfig | None
     return sim
 
 
-__all__ = ["BLOCK_STATES", "AllocatorState", "SnapshotBlock", "SnapshotError", "SnapshotSegment",
-           "load_allocator_state", "read_allocator_state", "seeded_simulator"]
+__all__ = ["BLOCK_STATES", "UINT64_END", "AllocatorState", "SnapshotBlock", "SnapshotError", "SnapshotSegment",
+           "load_allocator_state", "read_allocator_state", "seeded_simulator", "shown"]

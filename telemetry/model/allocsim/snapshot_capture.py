@@ -282,7 +282,9 @@ def whatif_worker(kind: str, config: str, out: Path, params: dict[str, Any], fra
         device = torch.device("cpu")
         info: dict[str, Any] = {"torch": torch.__version__ + " (dry run on the CPU)", "device": "cpu",
                                 "total_memory": 0}
-        counters = lambda: [0, 0, 0, 0]
+
+        def counters() -> list[int]:
+            return [0, 0, 0, 0]
     else:
         torch.cuda.init()
         device = torch.device("cuda", torch.cuda.current_device())

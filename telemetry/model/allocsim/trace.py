@@ -12,6 +12,10 @@ the allocator's own log in order (c10/cuda/CUDACachingAllocator.cpp `record_trac
 
 The log is a ring of `max_entries` (unbounded by default): when it wraps, its start is gone.
 `allocator_settings` holds the settings the process ran with, `segments` the state at the dump.
+
+Every field read is checked (an integer from 0 below 2**64 for addr, size, stream and an OOM's
+device_free; pool_id a pair of such integers), and at most `max_objects` entries are read
+(`--max-objects`; the file's own limits: snapshot_file.py): anything else is one line naming the entry.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .snapshot import AllocatorState, SnapshotError, read_allocator_state, settings_alloc_conf
-from .snapshot_file import DEFAULT_MAX_BYTES, read_snapshot_file
+from telemetry.limits import MAX_SNAPSHOT_BLOCKS, MAX_SNAPSHOT_OBJECTS
+
+from .snapshot import UINT64_END, AllocatorState, SnapshotError, read_allocator_state, settings_alloc_conf, shown
+from .snapshot_file import DEFAULT_MAX_BYTES, objects_limit_error, read_snapshot_file
 
 ALLOC, FREE_REQUESTED, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, SNAPSHOT, OOM = range(9)
 ACTION_CODES = {
@@ -65,10 +71,16 @@ class MemoryTrace:
 
 
 def _bad(source: str, index: int, entry: Any, problem: str) -> TraceError:
-    shown = entry
     if isinstance(entry, Mapping):
-        shown = {k: entry[k] for k in ("action", "addr", "size", "stream") if k in entry}
-    return TraceError(f"{source}: trace entry {index} {shown!r}: {problem}")
+        text = "{" + ", ".join(f"{k!r}: {shown(entry[k], 40)}" for k in ("action", "addr", "size", "stream", "pool_id")
+                               if k in entry) + "}"
+    else:
+        text = shown(entry)
+    return TraceError(f"{source}: trace entry {index} {text}: {problem}")
+
+
+def _uint64(value: Any) -> bool:
+    return type(value) is int and 0 <= value < UINT64_END
 
 
 def _events(entries: list[Any], source: str) -> tuple[list[Event], set[int], set[tuple[int, int]]]:
@@ -94,17 +106,20 @@ def _events(entries: list[Any], source: str) -> tuple[list[Event], set[int], set
             pool = entry.get("pool_id")
         except (KeyError, TypeError):
             raise _bad(source, index, entry, "expected a dict with action, addr, size and stream") from None
-        if type(addr) is not int or type(size) is not int or type(stream) is not int or size < 0:
-            raise _bad(source, index, entry, "addr, size and stream must be integers (size >= 0)")
+        if not (_uint64(addr) and _uint64(size) and _uint64(stream)):
+            raise _bad(source, index, entry, "addr, size and stream must be integers from 0 below 2**64")
         streams.add(stream)
         if pool is not None:
-            pools.add((int(pool[0]), int(pool[1])))
+            if not (isinstance(pool, (list, tuple)) and len(pool) == 2 and _uint64(pool[0]) and _uint64(pool[1])):
+                raise _bad(source, index, entry, "pool_id must be a pair of integers (the memory pool's id)")
+            pools.add((pool[0], pool[1]))
         append((code, addr, size))
     return events, streams, pools
 
 
-def read_trace(doc: Any, *, device: int | None = None, source: str = "trace") -> MemoryTrace:
-    """The recorded history of one device in a `_snapshot()` document."""
+def read_trace(doc: Any, *, device: int | None = None, source: str = "trace",
+               max_objects: int = MAX_SNAPSHOT_OBJECTS, max_blocks: int = MAX_SNAPSHOT_BLOCKS) -> MemoryTrace:
+    """The recorded history of one device in a `_snapshot()` document (at most `max_objects` entries)."""
     if not isinstance(doc, Mapping) or "device_traces" not in doc:
         what = "a dict without 'device_traces'" if isinstance(doc, Mapping) else f"a {type(doc).__name__}"
         raise TraceError(f"{source}: not a recorded memory history ({what}); expected the pickle "
@@ -124,6 +139,8 @@ def read_trace(doc: Any, *, device: int | None = None, source: str = "trace") ->
     elif device >= len(traces) or not traces[device]:
         raise TraceError(f"{source}: no history of device {device} (devices with one: "
                          f"{', '.join(map(str, recorded)) or 'none'})")
+    if len(traces[device]) > max_objects:
+        raise TraceError(str(objects_limit_error(source, max_objects)))
     events, streams, pools = _events(list(traces[device]), source)
     if len(streams) > 1:
         raise TraceError(f"{source}: a trace from several CUDA streams ({', '.join(hex(s) for s in sorted(streams))}); "
@@ -133,7 +150,8 @@ def read_trace(doc: Any, *, device: int | None = None, source: str = "trace") ->
         raise TraceError(f"{source}: allocations in private memory pools {private} (CUDA graphs, MemPool); "
                          "the replay models the default pools only")
     try:
-        final = read_allocator_state({"segments": doc.get("segments", [])}, device=device, source=source)
+        final = read_allocator_state({"segments": doc.get("segments", [])}, device=device, source=source,
+                                     max_blocks=max_blocks)
     except SnapshotError as exc:
         raise TraceError(str(exc)) from None
     if final.private_segments:
@@ -154,8 +172,10 @@ def read_trace(doc: Any, *, device: int | None = None, source: str = "trace") ->
 
 
 def load_trace(path: str | os.PathLike[str], *, device: int | None = None,
-               max_bytes: int = DEFAULT_MAX_BYTES) -> MemoryTrace:
-    return read_trace(read_snapshot_file(path, max_bytes), device=device, source=str(path))
+               max_bytes: int = DEFAULT_MAX_BYTES, max_objects: int = MAX_SNAPSHOT_OBJECTS,
+               max_blocks: int = MAX_SNAPSHOT_BLOCKS) -> MemoryTrace:
+    return read_trace(read_snapshot_file(path, max_bytes, max_objects), device=device, source=str(path),
+                      max_objects=max_objects, max_blocks=max_blocks)
 
 
 __all__ = ["ACTION_CODES", "ACTION_NAMES", "Event", "MemoryTrace", "TraceError", "load_trace", "read_trace"]

@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,8 @@ def _tie_size(rng: random.Random) -> int:
     return rng.choice([700_000, 1_049_087, 1_653_823, 3 * MIB + 5, 12 * MIB + 1, 25 * MIB - 3, 130 * MIB + 7])
 
 
-def random_case(seed: int, n_ops: int, size_fn, *, max_live: int = 60, empty_every: float = 0.01) -> list[list[Any]]:
+def random_case(seed: int, n_ops: int, size_fn: Callable[[random.Random], int], *, max_live: int = 60,
+                empty_every: float = 0.01) -> list[list[Any]]:
     rng = random.Random(seed)
     ops: list[list[Any]] = []
     live: dict[int, int] = {}

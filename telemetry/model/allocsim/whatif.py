@@ -7,8 +7,16 @@ points. `empty_cache()` leaves no event of its own; it shows as device frees tha
 caused, so frees of segments before a `free`, a `snapshot` or the end of the trace, or before an
 allocation that needs no new memory, are replayed as `empty_cache()` there. Device frees that
 lead into an allocation's own new segment are that allocation's garbage collection when the
-recorded settings collect garbage (a memory fraction with a threshold), else `empty_cache()` too
-(the other cause, a full device, needs `--capacity-gb` to be modelled).
+recorded settings collect garbage (a memory fraction with a threshold), unless they are exactly
+what `empty_cache()` would release at that point (the plan runs the recorded settings' simulator
+as it goes to see that) or unmap pages (garbage collection never does): then `empty_cache()`;
+without garbage collection they are `empty_cache()` too (the other cause, a full device, needs
+`--capacity-gb` to be modelled).
+
+Garbage collection frees blocks by age, and a block's age depends on which of several equal-size
+free blocks each request took: the lowest address. The replay under the recorded settings gives
+its segments the trace's own cudaMalloc addresses (RecordedAddresses); the driver model
+(driver_va.py) stands in for the other settings and once the replay has left the trace.
 
 A history is incomplete when it does not begin with an empty allocator: the ring of `max_entries`
 dropped its start, or recording began after memory was allocated. It shows as frees of blocks or
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import parse_alloc_conf
+from .driver_va import DriverAddressSpace
 from .simulator import CachingAllocatorSim, SimulatedOutOfMemoryError
 from .trace import (
     ALLOC,
@@ -62,12 +71,70 @@ class ReplayPlan:
     unknown_segment_frees: int = 0
     reused_live_addresses: int = 0
     frees_from_requested: bool = False
+    segment_addresses: list[tuple[int, int]] = field(default_factory=list)  # (address, bytes) of each cudaMalloc
 
 
-def plan_trace(trace: MemoryTrace, gc_active: bool) -> ReplayPlan:
-    """Turn a trace into simulator ops, inferring `empty_cache()` calls (see the module's docstring)."""
+class RecordedAddresses:
+    """The trace's own cudaMalloc addresses, in order, while the replay asks for the sizes the trace did.
+
+    The caching allocator breaks ties between equal-size free blocks by device address, and with garbage
+    collection which block a request takes decides every block's age. The driver model (driver_va.py) gets
+    most addresses right, not all; the replay under the recorded settings takes the real ones instead. From
+    the first request of another size on (the replay has left the trace), the driver model answers.
+    """
+
+    def __init__(self, recorded: list[tuple[int, int]]) -> None:
+        self._recorded = recorded
+        self._next = 0
+        self._given: set[int] = set()
+        self._model: DriverAddressSpace | None = None
+
+    def alloc(self, size: int) -> int:
+        if self._model is None and self._next < len(self._recorded) and self._recorded[self._next][1] == size:
+            address = self._recorded[self._next][0]
+            self._next += 1
+            self._given.add(address)
+            return address
+        if self._model is None:
+            self._model = DriverAddressSpace()
+        return self._model.alloc(size)
+
+    def release(self, address: int, size: int) -> None:
+        if address in self._given:
+            self._given.discard(address)
+        elif self._model is not None:
+            self._model.release(address, size)
+
+
+def _empty_cache_explains(sim: CachingAllocatorSim, shrinks: list[tuple[int, str, int]]) -> bool:
+    """Whether device frees before an allocation's new segment are an `empty_cache()` rather than its GC.
+
+    Its garbage collection when the pass the simulator would make now frees those sizes in that order (any
+    frees after them: the retry that releases every cached block under the memory fraction); else an
+    `empty_cache()` when that is exactly what one would release now, or when pages are unmapped (garbage
+    collection never unmaps); else its garbage collection still (the check then shows the difference).
+    """
+    sizes = [size for _, _, size in shrinks]
+    collected = sim.garbage_collection_frees()
+    if collected and sizes[:len(collected)] == collected:
+        return False
+    if any(code == SEGMENT_UNMAP for code, _, _ in shrinks):
+        return True
+    would = sim.empty_cache_frees()
+    return would is not None and would == sizes
+
+
+def plan_trace(trace: MemoryTrace, gc_active: bool, config: str | None = None,
+               capacity_bytes: int | None = None) -> ReplayPlan:
+    """Turn a trace into simulator ops, inferring `empty_cache()` calls (see the module's docstring).
+
+    config: the recorded settings; with garbage collection active, the ops run on a simulator as they are
+    planned, which tells an `empty_cache()` from an allocation's garbage collection.
+    """
     plan = ReplayPlan()
     ops, expected = plan.ops, plan.expected
+    look = (Replayer(config, capacity_bytes, RecordedAddresses(plan.segment_addresses))
+            if gc_active and config is not None else None)
     free_code = FREE_COMPLETED
     if not any(code == FREE_COMPLETED for code, _, _ in trace.events):
         free_code = FREE_REQUESTED  # recorded with skip_actions=["free_completed"]
@@ -76,21 +143,27 @@ def plan_trace(trace: MemoryTrace, gc_active: bool) -> ReplayPlan:
     live: set[int] = set()
     segments: set[int] = set()
 
+    def append(op: tuple[int, int, int]) -> None:
+        ops.append(op)
+        if look is not None:
+            look.step(*op)
+
     def flush() -> None:
         if pending:
-            ops.append((OP_EMPTY_CACHE, 0, 0))
+            append((OP_EMPTY_CACHE, 0, 0))
             plan.empty_caches += 1
             index = len(ops) - 1
             expected.extend((index, action, size) for _, action, size in pending)
             pending.clear()
 
-    append = ops.append
     skipped = FREE_REQUESTED if free_code == FREE_COMPLETED else FREE_COMPLETED
     for code, addr, size in trace.events:
         if code == ALLOC:
             if pending:
                 grows = [p for p in pending if p[0] in GROW]
-                if len(grows) < len(pending) and not (gc_active and grows):
+                shrinks = [p for p in pending if p[0] not in GROW]
+                collects = gc_active and grows and not (look is not None and _empty_cache_explains(look.sim, shrinks))
+                if shrinks and not collects:
                     pending[:] = [p for p in pending if p[0] not in GROW]
                     flush()
                     pending[:] = grows
@@ -115,6 +188,7 @@ def plan_trace(trace: MemoryTrace, gc_active: bool) -> ReplayPlan:
             pending.append((code, GROW[code], size))
             if code == SEGMENT_ALLOC:
                 segments.add(addr)
+                plan.segment_addresses.append((addr, size))
         elif code in SHRINK:
             pending.append((code, SHRINK[code], size))
             if code == SEGMENT_FREE:
@@ -155,52 +229,73 @@ class ConfigReplay:
 
     def as_json(self) -> dict[str, Any]:
         return {"checkpoints": self.checkpoints, "peak_reserved": self.peak_reserved,
-                "device_allocs": self.final[2], "final_reserved": self.final[0]}
+                "num_device_alloc": self.final[2], "final_reserved": self.final[0]}
+
+
+class Replayer:
+    """A simulator that runs plan ops one at a time (replay_plan, and plan_trace's look at the allocator)."""
+
+    def __init__(self, config: str, capacity_bytes: int | None = None, address_space: Any = None) -> None:
+        self.sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes, address_space=address_space)
+        self.capacity_bytes = capacity_bytes
+        self.live: dict[int, int] = {}
+        self.checkpoints: list[list[int]] = []
+        self.peak = 0
+        self.ooms = 0
+
+    def counters(self) -> list[int]:
+        sim = self.sim
+        return [sim.reserved_bytes, sim.allocated_bytes, sim.num_device_alloc, sim.num_device_free]
+
+    def step(self, code: int, addr: int, size: int) -> None:
+        sim = self.sim
+        if code == OP_ALLOC:
+            try:
+                self.live[addr] = sim.malloc(size)
+            except SimulatedOutOfMemoryError:
+                self.ooms += 1  # the block does not exist here; its free is skipped
+            if sim.reserved_bytes > self.peak:
+                self.peak = sim.reserved_bytes
+        elif code == OP_FREE:
+            handle = self.live.pop(addr, None)
+            if handle is not None:
+                sim.free(handle)
+        elif code == OP_EMPTY_CACHE:
+            sim.empty_cache()
+        elif code == OP_CHECKPOINT:
+            self.checkpoints.append(self.counters())
+        elif self.capacity_bytes is not None:  # OP_OOM: the real malloc failed; does this one?
+            try:
+                sim.free(sim.malloc(size))
+            except SimulatedOutOfMemoryError:
+                self.ooms += 1
+            self.peak = max(self.peak, sim.reserved_bytes)
 
 
 def replay_plan(plan: ReplayPlan, config: str, *, capacity_bytes: int | None = None, record_calls: bool = False,
-                timeline: bool = False) -> ConfigReplay:
-    """Run the plan's ops on a fresh simulator with `config`."""
-    sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes)
+                timeline: bool = False, recorded_addresses: bool = False) -> ConfigReplay:
+    """Run the plan's ops on a fresh simulator with `config`.
+
+    recorded_addresses: give segments the trace's own cudaMalloc addresses (RecordedAddresses): for the
+    replay under the recorded settings.
+    """
+    space = RecordedAddresses(plan.segment_addresses) if recorded_addresses else None
+    replayer = Replayer(config, capacity_bytes, space)
+    sim = replayer.sim
     calls: list[tuple[str, int, int]] = []
     got: list[SegmentEvent] | None = [] if record_calls else None
     if record_calls:
         sim.device_calls = calls
     line: list[tuple[int, int]] | None = [(0, 0)] if timeline else None
-    live: dict[int, int] = {}
-    checkpoints: list[list[int]] = []
-    peak = 0
-    ooms = 0
-    malloc, free = sim.malloc, sim.free
+    step = replayer.step
     for index, (code, addr, size) in enumerate(plan.ops):
-        if code == OP_ALLOC:
-            try:
-                live[addr] = malloc(size)
-            except SimulatedOutOfMemoryError:
-                ooms += 1  # the block does not exist here; its free is skipped
-            if sim.reserved_bytes > peak:
-                peak = sim.reserved_bytes
-        elif code == OP_FREE:
-            handle = live.pop(addr, None)
-            if handle is not None:
-                free(handle)
-        elif code == OP_EMPTY_CACHE:
-            sim.empty_cache()
-        elif code == OP_CHECKPOINT:
-            checkpoints.append([sim.reserved_bytes, sim.allocated_bytes, sim.num_device_alloc, sim.num_device_free])
-        elif capacity_bytes is not None:  # OP_OOM: the real malloc failed; does this one?
-            try:
-                free(malloc(size))
-            except SimulatedOutOfMemoryError:
-                ooms += 1
-            peak = max(peak, sim.reserved_bytes)
+        step(code, addr, size)
         if got is not None and calls:
             got.extend((index, action, nbytes) for action, _, nbytes in calls)
             calls.clear()
         if line is not None and sim.reserved_bytes != line[-1][1]:
             line.append((index, sim.reserved_bytes))
-    final = [sim.reserved_bytes, sim.allocated_bytes, sim.num_device_alloc, sim.num_device_free]
-    return ConfigReplay(config, checkpoints, peak, final, ooms, got, line)
+    return ConfigReplay(config, replayer.checkpoints, replayer.peak, replayer.counters(), replayer.ooms, got, line)
 
 
 def first_difference(expected: list[SegmentEvent], got: list[SegmentEvent]) -> dict[str, Any] | None:
@@ -251,9 +346,9 @@ def whatif(trace: MemoryTrace, configs: list[str], *, capacity_bytes: int | None
     gc_active = effective.garbage_collection_threshold > 0 and effective.per_process_memory_fraction is not None
     for config in configs:
         parse_alloc_conf(config)  # a bad setting fails before any replay
-    plan = plan_trace(trace, gc_active)
+    plan = plan_trace(trace, gc_active, trace.effective_conf, capacity_bytes)
     recorded = replay_plan(plan, trace.effective_conf, capacity_bytes=capacity_bytes, record_calls=True,
-                           timeline=timeline)
+                           timeline=timeline, recorded_addresses=True)
     key = trace.recorded_conf
     replays = {key: recorded}
     for config in configs:
@@ -267,6 +362,12 @@ def whatif(trace: MemoryTrace, configs: list[str], *, capacity_bytes: int | None
         notes.append("the recorded settings collect garbage, which acts only under a memory fraction; a fraction set "
                      "with torch.cuda.set_per_process_memory_fraction() is not in the file: give it as "
                      "--config '<settings>,per_process_memory_fraction:F' to model it")
+    for config in dict.fromkeys(configs):  # issue 19 item 11: a setting that cannot act is said, not silently replayed
+        asked = parse_alloc_conf(config)
+        if asked.garbage_collection_threshold > 0 and asked.per_process_memory_fraction is None:
+            notes.append(f"--config {config!r}: garbage_collection_threshold does nothing without a memory fraction "
+                         "(PyTorch collects only under per_process_memory_fraction): replayed as without it; add "
+                         "',per_process_memory_fraction:F' to model the collection")
     if plan.empty_caches:
         notes.append(f"{plan.empty_caches} empty_cache() calls inferred from device frees no allocation caused")
     if plan.ooms:

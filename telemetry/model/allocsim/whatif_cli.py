@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from telemetry.argtypes import bounded_float
-from telemetry.errors import ConfigError
+from telemetry.errors import ConfigError, RunError
 from telemetry.limits import MAX_CAPACITY_GIB
 from telemetry.model.allocsim.cli import GIB, add_snapshot_arguments, max_file_bytes, write_stdout
 from telemetry.model.allocsim.config import parse_alloc_conf
@@ -41,30 +40,25 @@ def run(args: argparse.Namespace) -> int:
     from telemetry.model.allocsim.trace import load_trace
     from telemetry.model.allocsim.whatif import format_table, whatif, write_plot
 
-    try:
-        for config in args.config:
-            parse_alloc_conf(config)
-        capacity = None
-        if args.capacity_gb is not None:
-            if not args.capacity_gb > 0:
-                raise ConfigError(f"--capacity-gb must be > 0, got {args.capacity_gb}")
-            capacity = int(args.capacity_gb * GIB)
-        if args.plot is not None and args.plot.suffix.lower() != ".png":
-            raise ConfigError(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
-        trace = load_trace(args.trace, device=args.device, max_bytes=max_file_bytes(args))
-    except ConfigError as exc:
-        print(f"memtel whatif: {exc}", file=sys.stderr)
-        return 2
+    for config in args.config:
+        parse_alloc_conf(config)
+    capacity = None
+    if args.capacity_gb is not None:
+        if not args.capacity_gb > 0:
+            raise ConfigError(f"--capacity-gb must be > 0, got {args.capacity_gb}")
+        capacity = int(args.capacity_gb * GIB)
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise ConfigError(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
+    trace = load_trace(args.trace, device=args.device, max_bytes=max_file_bytes(args), max_objects=args.max_objects,
+                       max_blocks=args.max_blocks)
     result = whatif(trace, list(args.config), capacity_bytes=capacity, timeline=args.plot is not None)
     if args.plot is not None:
         try:
             write_plot(result, args.plot)
         except ImportError:
-            print("memtel whatif: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 2
+            raise ConfigError("--plot needs matplotlib (pip install matplotlib)") from None
         except OSError as exc:
-            print(f"memtel whatif: cannot write {args.plot}: {exc.strerror or exc}", file=sys.stderr)
-            return 1
+            raise RunError(f"cannot write {args.plot}: {exc.strerror or exc}") from None
     if args.json:
         write_stdout(json.dumps(result.as_json(), indent=1))
     else:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ class GrowthStep:
     step: int
     tokens: int  # prompt tokens processed by the end of this step
     growth_bytes: int
-    device_allocs: int
+    num_device_alloc: int
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Forecast:
     reserved_growth_bytes: reserved at the end of the prefill minus at the snapshot (what stays).
     peak_reserved_bytes: the highest reserved during the prefill (absolute, as the process counts it).
     peak_growth_bytes: that peak minus the snapshot's reserved bytes (what must fit at once).
-    device_allocs / device_frees: cudaMallocs (expandable: map calls) and frees during the prefill.
+    num_device_alloc / num_device_free: cudaMallocs (expandable: map calls) and frees during the prefill.
     out_of_memory: the prefill could not finish within `capacity_bytes` (figures up to the failure).
     """
 
@@ -58,8 +57,8 @@ class Forecast:
     reserved_growth_bytes: int
     peak_reserved_bytes: int
     peak_growth_bytes: int
-    device_allocs: int
-    device_frees: int
+    num_device_alloc: int
+    num_device_free: int
     growth_steps: tuple[GrowthStep, ...] = field(default=())
     out_of_memory: bool = False
 
@@ -67,8 +66,8 @@ class Forecast:
         return {"tokens": self.tokens, "mode": self.mode, "alloc_conf": self.alloc_conf,
                 "start_reserved_bytes": self.start.reserved_bytes, "start_allocated_bytes": self.start.allocated_bytes,
                 "reserved_growth_bytes": self.reserved_growth_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
-                "peak_growth_bytes": self.peak_growth_bytes, "device_allocs": self.device_allocs,
-                "device_frees": self.device_frees, "out_of_memory": self.out_of_memory,
+                "peak_growth_bytes": self.peak_growth_bytes, "num_device_alloc": self.num_device_alloc,
+                "num_device_free": self.num_device_free, "out_of_memory": self.out_of_memory,
                 "growth_steps": [vars(s) for s in self.growth_steps]}
 
 
@@ -109,9 +108,14 @@ class _Watch(PrefillObserver):
         self.peak = sim.reserved_bytes
         self.steps: list[GrowthStep] = []
         self._at_step = (sim.reserved_bytes, sim.num_device_alloc)
+        self.step = -1                       # the chunk step under way (its index), -1 before the first
+        self.step_peaks: list[int] = []      # the peak reserved through the end of each chunk step
+        self.step_reserved: list[int] = []   # reserved at the start of each chunk step
 
     def step_started(self, step: ChunkStep, launches: list[Launch]) -> None:
         self._at_step = (self.sim.reserved_bytes, self.sim.num_device_alloc)
+        self.step = step.index
+        self.step_reserved.append(self.sim.reserved_bytes)
 
     def launch_started(self, step: ChunkStep, layer: int, index: int) -> None:
         if self.pause is not None:   # the live forecast lets the serving threads run here
@@ -123,6 +127,7 @@ class _Watch(PrefillObserver):
 
     def step_ended(self, step: ChunkStep, launches: list[Launch]) -> None:
         self.close_step(step.index, step.tokens_so_far)
+        self.step_peaks.append(self.peak)
 
     def close_step(self, index: int, tokens: int) -> None:
         reserved, allocs = self._at_step
@@ -133,7 +138,8 @@ class _Watch(PrefillObserver):
 
 def forecast(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: Mode = "stock",
              alloc_conf: str | None = None, pattern: LaunchPattern | None = None,
-             capacity_bytes: int | None = None, pause: Callable[[], None] | None = None) -> Forecast:
+             capacity_bytes: int | None = None, total_memory: int | None = None,
+             pause: Callable[[], None] | None = None) -> Forecast:
     """Forecast a prefill of `tokens` from `state` (see the module's docstring).
 
     state: `read_allocator_state(torch.cuda.memory_snapshot(), device=...)` or `load_allocator_state(path)`.
@@ -141,14 +147,26 @@ def forecast(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: M
     mode: "stock" (width = kv length) or "fixed" (the padded width).
     alloc_conf: the process's PYTORCH_CUDA_ALLOC_CONF; None: the snapshot's recorded settings, else defaults.
     capacity_bytes: the device memory the allocator may reserve (None: unlimited).
+    total_memory: the device's total memory, of which `per_process_memory_fraction` is a fraction (None:
+        `capacity_bytes`, else an H200's).
     pause: called before every launch of the simulated prefill (a background caller lets other threads run there).
     Raises ConfigError (SnapshotError) for a state or setting the simulator cannot start from.
     """
+    return simulate_prefill(state, shape, tokens, mode=mode, alloc_conf=alloc_conf, pattern=pattern,
+                            capacity_bytes=capacity_bytes, total_memory=total_memory, pause=pause)[0]
+
+
+def simulate_prefill(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: Mode = "stock",
+                     alloc_conf: str | None = None, pattern: LaunchPattern | None = None,
+                     capacity_bytes: int | None = None, total_memory: int | None = None,
+                     pause: Callable[[], None] | None = None) -> tuple[Forecast, _Watch]:
+    """`forecast()`, with the observer that watched it: its `step` (where an out-of-memory stopped it) and
+    `step_peaks` (the peak reserved through each chunk step), for the longest-prefill search (fit.py)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ConfigError(f"forecast tokens must be a positive integer, got {tokens!r}")
     mode = check_mode(mode)
     conf = alloc_conf if alloc_conf is not None else (state.alloc_conf or "")
-    sim = seeded_simulator(state, conf, capacity_bytes=capacity_bytes)
+    sim = seeded_simulator(state, conf, capacity_bytes=capacity_bytes, total_memory=total_memory)
     start = AllocatorCounters(sim.reserved_bytes, sim.allocated_bytes, 0, 0)
     watch = _Watch(sim, pause)
     out_of_memory = False
@@ -160,8 +178,8 @@ def forecast(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: M
     return Forecast(tokens=tokens, mode=mode, alloc_conf=conf, start=start,
                     reserved_growth_bytes=sim.reserved_bytes - start.reserved_bytes,
                     peak_reserved_bytes=watch.peak, peak_growth_bytes=watch.peak - start.reserved_bytes,
-                    device_allocs=sim.num_device_alloc, device_frees=sim.num_device_free,
-                    growth_steps=tuple(watch.steps), out_of_memory=out_of_memory)
+                    num_device_alloc=sim.num_device_alloc, num_device_free=sim.num_device_free,
+                    growth_steps=tuple(watch.steps), out_of_memory=out_of_memory), watch
 
 
 # ---- command line --------------------------------------------------------------------------------
@@ -194,11 +212,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--snapshot", type=Path, required=True, metavar="SNAP",
                         help="the process's allocator state: torch.cuda.memory_snapshot() saved as JSON, or a "
                              "torch.cuda.memory._dump_snapshot() pickle")
-    parser.add_argument("--tokens", type=_token_list, required=True, metavar="N[,N...]",
-                        help="prefill lengths to forecast, e.g. 100000,200000")
+    parser.add_argument("--tokens", type=_token_list, default=None, metavar="N[,N...]",
+                        help="prefill lengths to forecast, e.g. 100000,200000 (required unless --max-fit)")
+    parser.add_argument("--max-fit", action="store_true",
+                        help="print the longest prefill (up to --max-model-len) that, with every shorter one, fits in "
+                             "--capacity-gb: what the hook's memtel_forecast_max_prefill_tokens says for that limit")
     add_shape_arguments(parser, fixed_width=True, topk=True)
-    parser.add_argument("--mode", choices=MODES, default="stock",
+    # --arm, as in `memtel replay` and `memtel lab serve`; --mode is kept as a hidden alias (issue 19 item 11).
+    parser.add_argument("--arm", dest="mode", choices=MODES, default="stock",
                         help="logits width: stock (the kv length) or fixed (the padded width); default stock")
+    parser.add_argument("--mode", dest="mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--alloc-conf", default=None,
                         help="the process's PYTORCH_CUDA_ALLOC_CONF (default: the snapshot's recorded settings, "
                              "else the defaults)")
@@ -235,7 +258,7 @@ def format_table(state: AllocatorState, shape: IndexerShape, results: list[Forec
         steps = ", ".join(f"{s.step} @ {s.tokens:,}: {s.growth_bytes / MIB:+,.0f}" for s in f.growth_steps) or "none"
         oom = "  OUT OF MEMORY" if f.out_of_memory else ""
         lines.append(f"{f.tokens:>10,} {_mib(f.reserved_growth_bytes, True):>16} {_mib(f.peak_reserved_bytes):>14} "
-                     f"{f.device_allocs:>11}  {steps}{oom}")
+                     f"{f.num_device_alloc:>11}  {steps}{oom}")
     for note in state.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
@@ -247,25 +270,50 @@ def run(args: argparse.Namespace) -> int:
     from telemetry.model.allocsim.snapshot import load_allocator_state
     from telemetry.model.indexer.shape import shape_from_args
 
-    try:
-        shape = shape_from_args(args)
-        if args.alloc_conf is not None:
-            parse_alloc_conf(args.alloc_conf)
-        pattern = LaunchPattern(keep_previous=args.keep_previous, transient_bytes=int(args.transient_mb * MIB))
-        capacity = int(args.capacity_gb * GIB) if args.capacity_gb is not None else None
-        state = load_allocator_state(args.snapshot, device=args.device, max_bytes=max_file_bytes(args))
-        results = [forecast(state, shape, n, mode=args.mode, alloc_conf=args.alloc_conf, pattern=pattern,
-                            capacity_bytes=capacity) for n in args.tokens]
-    except ConfigError as exc:
-        print(f"memtel forecast: {exc}", file=sys.stderr)
-        return 2
+    if args.tokens is None and not args.max_fit:
+        raise ConfigError("give --tokens N[,N...] (prefill lengths to forecast), --max-fit, or both")
+    if args.max_fit and args.capacity_gb is None:
+        raise ConfigError("--max-fit needs --capacity-gb X: the memory the allocator may reserve in all, in GiB")
+    shape = shape_from_args(args)
+    if args.alloc_conf is not None:
+        parse_alloc_conf(args.alloc_conf)
+    pattern = LaunchPattern(keep_previous=args.keep_previous, transient_bytes=int(args.transient_mb * MIB))
+    capacity = int(args.capacity_gb * GIB) if args.capacity_gb is not None else None
+    state = load_allocator_state(args.snapshot, device=args.device, max_bytes=max_file_bytes(args),
+                                 max_objects=args.max_objects, max_blocks=args.max_blocks)
+    results = [forecast(state, shape, n, mode=args.mode, alloc_conf=args.alloc_conf, pattern=pattern,
+                        capacity_bytes=capacity) for n in args.tokens or ()]
+    fit = None
+    if args.max_fit and capacity is not None:
+        from telemetry.model.indexer.fit import max_prefill_tokens
+
+        fit = max_prefill_tokens(state, shape, limit_bytes=capacity, mode=args.mode, alloc_conf=args.alloc_conf,
+                                 pattern=pattern)
     if args.json:
-        doc = {"snapshot": str(args.snapshot), "device": state.device, "shape": shape.as_dict(),
-               "notes": list(state.notes), "forecasts": [f.as_json() for f in results]}
+        doc: dict[str, Any] = {"snapshot": str(args.snapshot), "device": state.device, "shape": shape.as_dict(),
+                               "notes": list(state.notes), "forecasts": [f.as_json() for f in results]}
+        if fit is not None:
+            doc["max_fit"] = fit.as_json()
         write_stdout(json.dumps(doc, indent=1))
     else:
-        write_stdout(format_table(state, shape, results, str(args.snapshot)))
+        text = format_table(state, shape, results, str(args.snapshot)) if results else ""
+        if fit is not None:
+            text = (text + "\n\n" if text else "") + format_fit(fit)
+        write_stdout(text)
     return 0
 
 
-__all__ = ["Forecast", "GrowthStep", "forecast"]
+def format_fit(fit: Any) -> str:
+    """The longest prefill that fits, in one paragraph."""
+    head = (f"longest prefill that fits in {_mib(fit.limit_bytes)} (reserved now {_mib(fit.start_reserved_bytes)}): "
+            f"{fit.tokens:,} tokens")
+    if fit.tokens:
+        head += f", peak reserved {_mib(fit.peak_reserved_bytes)}"
+    if fit.first_misfit is not None:
+        head += f"; {fit.first_misfit:,} tokens run out of memory"
+    else:
+        head += f" (every length up to max-model-len {fit.max_tokens:,} fits)"
+    return head + f" [{fit.simulations} simulated prefills]"
+
+
+__all__ = ["Forecast", "GrowthStep", "forecast", "simulate_prefill"]

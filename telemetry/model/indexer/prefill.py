@@ -96,32 +96,44 @@ def run_prefill(backend: LaunchBackend, shape: IndexerShape, mode: Mode, tokens:
         backend.release(live.pop(ident))
         watch.op_done(["free", ident])
 
-    for position, (step, step_launches) in enumerate(plan):
-        watch.step_started(step, step_launches)
-        for layer in range(shape.layers):
-            for index, launch in enumerate(step_launches):
-                watch.launch_started(step, layer, index)
-                rows = pattern.rows(launch.rows)
-                logits = record(backend.launch(rows, launch.width, launch.kv_len), rows * launch.width * FLOAT32_BYTES)
-                extras = []
-                if shape.topk:
-                    extras.append(alloc(rows * shape.topk * FLOAT32_BYTES))  # top-k values
-                    extras.append(alloc(rows * shape.topk * INT64_BYTES))  # top-k indices
-                if pattern.transient_bytes:
-                    extras.append(alloc(pattern.transient_bytes))
-                for ident in reversed(extras):
-                    free(ident)
-                if pattern.keep_previous:
-                    if previous is not None:
-                        free(previous)
-                    previous = logits
-                else:
-                    free(logits)
-                launches += 1
-        if position == len(plan) - 1 and previous is not None:
-            free(previous)
-            previous = None
-        watch.step_ended(step, step_launches)
+    try:
+        for position, (step, step_launches) in enumerate(plan):
+            watch.step_started(step, step_launches)
+            for layer in range(shape.layers):
+                for index, launch in enumerate(step_launches):
+                    watch.launch_started(step, layer, index)
+                    rows = pattern.rows(launch.rows)
+                    logits = record(backend.launch(rows, launch.width, launch.kv_len),
+                                    rows * launch.width * FLOAT32_BYTES)
+                    extras = []
+                    if shape.topk:
+                        extras.append(alloc(rows * shape.topk * FLOAT32_BYTES))  # top-k values
+                        extras.append(alloc(rows * shape.topk * INT64_BYTES))  # top-k indices
+                    if pattern.transient_bytes:
+                        extras.append(alloc(pattern.transient_bytes))
+                    for ident in reversed(extras):
+                        free(ident)
+                    if pattern.keep_previous:
+                        if previous is not None:
+                            free(previous)
+                        previous = logits
+                    else:
+                        free(logits)
+                    launches += 1
+            if position == len(plan) - 1 and previous is not None:
+                free(previous)
+                previous = None
+            watch.step_ended(step, step_launches)
+    except BaseException:
+        # A failed launch (out of memory) ends the prefill: what it still holds goes back to the allocator, as a
+        # failed step's tensors do when its exception unwinds.
+        for allocation in live.values():
+            try:
+                backend.release(allocation)
+            except Exception:
+                pass
+        live.clear()
+        raise
     return PrefillDone(launches, len(plan))
 
 

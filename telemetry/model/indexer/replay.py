@@ -424,6 +424,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--arm", action="append", default=None, metavar="SPEC",
         help="MODE[+mempool][@ALLOC_CONF], repeatable; default: stock and fixed "
              "(e.g. 'stock@expandable_segments:True', 'fixed+mempool', 'stock@max_split_size_mb:256')")
+    parser.add_argument("--mode", dest="arm", action="append", help=argparse.SUPPRESS)  # `memtel forecast`'s old name
     parser.add_argument("--alloc-conf", default="", help="PYTORCH_CUDA_ALLOC_CONF applied to every arm")
     parser.add_argument("--keep-previous", action=argparse.BooleanOptionalAction, default=True,
                         help="keep the previous launch's logits alive while the next allocates (default: yes)")

@@ -1,0 +1,202 @@
+"""Evaluate alert rules over a timeline with Prometheus's own rule engine: `promtool test rules`.
+
+The timeline becomes a promtool unit test: its records are the test's `input_series` on a 1 s grid (every
+rule group is evaluated every second, as the memtel-headroom group is in production), and a few PromQL
+queries over the `ALERTS` series that the rule manager writes ask, per alert, when it first and last fired,
+how many seconds it fired, how often it started firing, and when it first fired before the failure. The
+test's expected samples are a sentinel no query returns, so promtool prints what each query got; that
+printout is the only thing parsed here. No rule is evaluated by memtel itself.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from telemetry.alerts.timeline import Timeline, parse_series_key
+from telemetry.errors import ConfigError, RunError
+
+SENTINEL = "memtel_score_sentinel"
+QUERY_LABEL = "memtel_score_query"
+DAEMON_JOB = "memtel-daemon"
+HOOK_JOB = "memtel-hook"
+_HOOK_PREFIXES = ("memtel_allocator_", "memtel_hook_", "memtel_forecast_")
+_GOT = re.compile(r'\{alertname="([A-Za-z_][A-Za-z0-9_]*)", ' + QUERY_LABEL + r'="(q\w+)"\} ([^,\s]+)')
+PROMTOOL_TIMEOUT_S = 300
+
+
+@dataclass
+class AlertRecord:
+    """What one alert did on one timeline (seconds from the timeline's first record)."""
+
+    first_fired_s: float | None = None
+    last_fired_s: float | None = None
+    firing_seconds: float = 0.0
+    onsets: int = 0
+    first_fired_before_failure_s: float | None = None
+
+
+@dataclass
+class Evaluation:
+    timeline: Timeline
+    alerts: dict[str, AlertRecord] = field(default_factory=dict)
+
+
+def promtool_path() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        raise RunError("promtool is not installed: install Debian's prometheus package (or Prometheus's release), "
+                       "whose promtool runs the rules")
+    return path
+
+
+def check_rules(rule_files: list[Path]) -> None:
+    for path in rule_files:
+        if not path.is_file():
+            raise ConfigError(f"--rules {path}: no such file")
+    result = subprocess.run([promtool_path(), "check", "rules", *map(str, rule_files)], capture_output=True,
+                            text=True, timeout=120)
+    if result.returncode != 0:
+        detail = " ".join((result.stderr or result.stdout).split())[:300]
+        raise ConfigError(f"--rules: promtool check rules failed: {detail}")
+
+
+def rule_metric_names(rule_files: list[Path]) -> set[str]:
+    """Every identifier in the rules' expressions: the series a timeline must carry for them (a superset)."""
+    names: set[str] = set()
+    for path in rule_files:
+        data = yaml.safe_load(path.read_text()) or {}
+        for group in data.get("groups", []):
+            for rule in group.get("rules", []):
+                names.update(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", str(rule.get("expr", ""))))
+    return names
+
+
+def _labels_text(labels: dict[str, str]) -> str:
+    return ", ".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _value_text(value: float) -> str:
+    if math.isnan(value) or math.isinf(value):
+        return "_"
+    return repr(value) if not value.is_integer() else str(int(value))
+
+
+def input_series(timeline: Timeline, wanted: set[str]) -> tuple[list[dict[str, str]], int]:
+    """promtool input_series on a 1 s grid from the first record, and the last step; each series ends with a
+    stale marker (after its last sample it is gone, as a target that stopped answering is)."""
+    start = timeline.start
+    steps: dict[int, dict[str, float]] = {}
+    for record in timeline.records:
+        steps[round(record.time - start)] = record.values  # two records in one second: the later wins
+    last = max(steps)
+    node = timeline.outcome.node
+    series: dict[str, list[str]] = {}
+    for step in range(last + 1):
+        values = steps.get(step)
+        if values is None:
+            continue
+        up = f'up{{{_labels_text({"job": DAEMON_JOB, "instance": f"{node}:9101", "node": node})}}}'
+        series.setdefault(up, ["_"] * (last + 1))[step] = "1"
+        for key, value in values.items():
+            parsed = parse_series_key(key)
+            if parsed is None or parsed[0] not in wanted:
+                continue
+            name, labels = parsed
+            job = HOOK_JOB if name.startswith(_HOOK_PREFIXES) else DAEMON_JOB
+            labels = {**labels, "job": job, "instance": labels.get("instance", f"{node}:9101"), "node": node}
+            if name.endswith("_timestamp_seconds"):
+                value -= start  # a Unix time on the records' clock; the test's clock starts at 0
+            series.setdefault(f"{name}{{{_labels_text(labels)}}}", ["_"] * (last + 1))[step] = _value_text(value)
+    out = [{"series": name, "values": " ".join([*tokens, "stale"])} for name, tokens in sorted(series.items())]
+    return out, last
+
+
+def _query(number: str, expr: str, at: int) -> dict:
+    return {"expr": f'label_replace({expr}, "{QUERY_LABEL}", "{number}", "", "")', "eval_time": f"{at}s",
+            "exp_samples": [{"labels": SENTINEL, "value": 0}]}
+
+
+def unit_test(timeline: Timeline, rule_files: list[Path], wanted: set[str]) -> tuple[dict, int]:
+    series, last = input_series(timeline, wanted)
+    firing = 'ALERTS{alertstate="firing"}'
+    window = f"{last + 1}s"
+    queries = [
+        _query("q_first", f"min by (alertname) (min_over_time(timestamp({firing})[{window}:1s]))", last),
+        _query("q_last", f"max by (alertname) (max_over_time(timestamp({firing})[{window}:1s]))", last),
+        _query("q_seconds", f"sum by (alertname) (count_over_time({firing}[{window}]))", last),
+        _query("q_onsets", f"sum by (alertname) (sum_over_time(({firing} unless {firing} offset 1s)[{window}:1s]))",
+               last),
+    ]
+    failure_at = timeline.outcome.failure_at
+    if failure_at is not None:
+        at = min(last, max(0, math.floor(failure_at - timeline.start)))
+        queries.append(_query("q_before", f"min by (alertname) (min_over_time(timestamp({firing})[{at + 1}s:1s]))",
+                              at))
+    test = {
+        "rule_files": [str(p.resolve()) for p in rule_files],
+        "evaluation_interval": "1s",
+        "tests": [{"name": timeline.name, "interval": "1s",
+                   "external_labels": {"runbook_base": "runbook.md"},
+                   "input_series": series, "promql_expr_test": queries}],
+    }
+    return test, last
+
+
+def without_annotations(rule_files: list[Path], directory: Path) -> list[Path]:
+    """Copies of the rule files without annotations: they cannot change when an alert fires, and expanding
+    their templates (some run a query) on every firing evaluation is most of promtool's time."""
+    copies = []
+    for i, path in enumerate(rule_files):
+        data = yaml.safe_load(path.read_text()) or {}
+        for group in data.get("groups", []):
+            for rule in group.get("rules", []):
+                rule.pop("annotations", None)
+        copy = directory / f"{i}-{path.name}"
+        copy.write_text(yaml.safe_dump(data, sort_keys=False))
+        copies.append(copy)
+    return copies
+
+
+def evaluate(timeline: Timeline, rule_files: list[Path], wanted: set[str] | None = None) -> Evaluation:
+    """Run promtool over one timeline; what each alert did."""
+    wanted = rule_metric_names(rule_files) if wanted is None else wanted
+    with tempfile.TemporaryDirectory(prefix="memtel-score-") as directory:
+        test, _ = unit_test(timeline, without_annotations(rule_files, Path(directory)), wanted)
+        path = Path(directory) / "timeline_test.yml"
+        path.write_text(yaml.safe_dump(test, sort_keys=False, width=1 << 30))
+        try:
+            result = subprocess.run([promtool_path(), "test", "rules", str(path)], capture_output=True, text=True,
+                                    timeout=PROMTOOL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RunError(f"{timeline.name}: promtool took more than {PROMTOOL_TIMEOUT_S} s") from None
+    output = result.stdout + result.stderr
+    if "got:" not in output:
+        detail = " ".join(output.split())[-300:]
+        raise RunError(f"{timeline.name}: promtool did not evaluate the timeline: {detail}")
+    evaluation = Evaluation(timeline)
+    for alert, query, value in _GOT.findall(output):
+        record = evaluation.alerts.setdefault(alert, AlertRecord())
+        number = float(value)
+        if query == "q_first":
+            record.first_fired_s = number
+        elif query == "q_last":
+            record.last_fired_s = number
+        elif query == "q_seconds":
+            record.firing_seconds = number
+        elif query == "q_onsets":
+            record.onsets = int(number)
+        elif query == "q_before":
+            record.first_fired_before_failure_s = number
+    return evaluation

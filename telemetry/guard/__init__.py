@@ -1,0 +1,18 @@
+"""`memtel guard`: refuse, before the engine sees it, the prompt whose prefill would not fit.
+
+- `GuardProxy` (proxy.py): the reverse proxy; sizes completion prompts, forwards or answers 503.
+- `LimitTracker` (limit.py): the hooks' forecasts, the limit in force, the blind episodes.
+- `PromptSize`, `measure` (prompt.py): a prompt's tokens bounded from above and below without a tokenizer.
+- `GuardMetrics`, `GuardCollector`, `guard_registry` (metrics.py): the guard's own Prometheus metrics.
+- http.py: the HTTP/1.1 of a streaming reverse proxy over asyncio streams.
+
+Standard library plus prometheus_client: it runs on serving boxes with the core install (docs/guard.md).
+"""
+
+from telemetry.guard.limit import HookTarget, Limit, LimitTracker, RankFit, parse_fits
+from telemetry.guard.metrics import GuardCollector, GuardMetrics, guard_registry
+from telemetry.guard.prompt import PromptError, PromptSize, measure, parse_body
+from telemetry.guard.proxy import GuardLimits, GuardProxy, Upstream
+
+__all__ = ["GuardCollector", "GuardLimits", "GuardMetrics", "GuardProxy", "HookTarget", "Limit", "LimitTracker",
+           "PromptError", "PromptSize", "RankFit", "Upstream", "guard_registry", "measure", "parse_body", "parse_fits"]

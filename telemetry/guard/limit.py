@@ -1,0 +1,294 @@
+"""The limit in force: the longest prefill the ranks can take now, less what admitted prefills will take.
+
+Each hook exporter (`--hooks`) is scraped every `poll_s`. From its /metrics the guard reads, per
+`rank` and `node`, `memtel_forecast_max_prefill_tokens` (the longest cold prefill that fits the memory
+the rank may still take), `memtel_forecast_fit_budget_bytes` (that memory),
+`memtel_forecast_last_success_timestamp_seconds` (when the forecast's snapshot was taken) and
+`memtel_forecast_reserved_growth_bytes{tokens}` (the bytes forecast for fixed lengths, quoted in a
+refusal). A rank is fresh while its hook answered within `stale_s` and its forecast is younger than
+`stale_s`. The limit is the smallest fresh rank's tokens (cut by `reserve_bytes`, see `RankFit.tokens`),
+less the tokens of admitted requests still in their prefill (`hold`/`release`). No fresh rank: blind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import math
+import ssl
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from telemetry.catalogue import metrics as catalogue
+from telemetry.errors import ConfigError
+
+log = logging.getLogger("memtel.guard")
+
+MAX_PREFILL = catalogue.FORECAST_MAX_PREFILL_TOKENS.series
+FIT_BUDGET = catalogue.FORECAST_FIT_BUDGET.series
+LAST_SUCCESS = catalogue.FORECAST_LAST_SUCCESS.series
+GROWTH = catalogue.FORECAST_RESERVED_GROWTH.series
+_WANTED = (MAX_PREFILL, FIT_BUDGET, LAST_SUCCESS, GROWTH)
+MAX_METRICS_BYTES = 32 << 20  # a hook's /metrics is tens of kB; a larger answer is not a hook's
+
+
+@dataclass(frozen=True)
+class HookTarget:
+    url: str  # as given, without credentials (it names the hook in logs, metrics and refusals)
+    host: str
+    port: int
+    path: str
+    tls: bool
+    authorization: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> HookTarget:
+        expected = "expected http://HOST:PORT or https://HOST:PORT[/metrics] of a rank's hook exporter"
+        try:
+            parts = urllib.parse.urlsplit(text.strip())
+            port = parts.port
+        except ValueError:
+            raise ConfigError(f"--hooks: {text[:80]!r} is not a URL; {expected}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"--hooks: {text[:80]!r} is not a URL; {expected}")
+        auth = None
+        if parts.username is not None:
+            user = urllib.parse.unquote(parts.username)
+            password = urllib.parse.unquote(parts.password or "")
+            auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        host = parts.hostname
+        shown_host = f"[{host}]" if ":" in host else host
+        port = port or (443 if parts.scheme == "https" else 80)
+        path = parts.path if parts.path not in ("", "/") else "/metrics"
+        return cls(f"{parts.scheme}://{shown_host}:{port}{path}", host, port, path, parts.scheme == "https", auth)
+
+
+@dataclass(frozen=True)
+class RankFit:
+    """One rank's forecast as its hook exported it."""
+
+    rank: str
+    node: str
+    max_prefill_tokens: int
+    budget_bytes: float | None
+    forecast_time: float | None  # unix time of the forecast's snapshot
+    growth_bytes: tuple[tuple[int, float], ...] = ()  # (tokens, forecast reserved growth), ascending
+
+    def tokens(self, reserve_bytes: float) -> int:
+        """The rank's limit with `reserve_bytes` more kept free: its tokens scaled by the budget left.
+
+        Linear scaling is conservative where a prefill's bytes grow at least linearly with its length from
+        zero (the indexer's logits do); docs/guard.md says so.
+        """
+        if reserve_bytes <= 0 or not self.budget_bytes:
+            return self.max_prefill_tokens
+        left = max(0.0, self.budget_bytes - reserve_bytes)
+        return math.floor(self.max_prefill_tokens * left / self.budget_bytes)
+
+    def forecast_for(self, tokens: int) -> tuple[int, float] | None:
+        """The hook's forecast for the shortest forecast length >= `tokens`, if it forecasts one."""
+        return next(((t, b) for t, b in self.growth_bytes if t >= tokens), None)
+
+
+def parse_fits(text: str) -> list[RankFit]:
+    """The ranks' forecasts in a hook's exposition text (only the wanted series are parsed)."""
+    lines = [line for line in text.splitlines() if line.startswith(_WANTED)]
+    values: dict[tuple[str, str], dict[str, float]] = {}
+    growth: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            key = (sample.labels.get("rank", ""), sample.labels.get("node", ""))
+            if sample.name == GROWTH:
+                length = sample.labels.get("tokens", "")
+                if length.isdigit() and math.isfinite(sample.value):
+                    growth.setdefault(key, []).append((int(length), sample.value))
+            elif sample.name in (MAX_PREFILL, FIT_BUDGET, LAST_SUCCESS):
+                values.setdefault(key, {})[sample.name] = sample.value
+    fits = []
+    for (rank, node), found in values.items():
+        tokens = found.get(MAX_PREFILL)
+        if tokens is None or not math.isfinite(tokens) or tokens < 0:
+            continue
+        budget = found.get(FIT_BUDGET)
+        fits.append(RankFit(rank, node, int(tokens), budget if budget is not None and math.isfinite(budget) else None,
+                            found.get(LAST_SUCCESS), tuple(sorted(growth.get((rank, node), [])))))
+    return fits
+
+
+@dataclass
+class HookState:
+    target: HookTarget
+    fits: list[RankFit] = field(default_factory=list)
+    scraped_at: float | None = None  # monotonic time of the last successful scrape
+    error: str | None = None  # why the last scrape failed
+    failures: int = 0
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The limit in force at one moment, and what set it."""
+
+    tokens: int  # what a prompt may hold now: the rank's limit less the tokens in prefill
+    rank_tokens: int  # the limiting rank's longest fitting prefill (after --reserve-mb)
+    in_prefill_tokens: int
+    fit: RankFit
+    hook: str
+
+
+class LimitTracker:
+    """The hooks' last answers, the tokens held by admitted prefills, and the blind episodes."""
+
+    def __init__(self, targets: list[HookTarget], *, stale_s: float, reserve_bytes: float = 0.0) -> None:
+        self.hooks = [HookState(t) for t in targets]
+        self.stale_s = stale_s
+        self.reserve_bytes = reserve_bytes
+        self.in_prefill_tokens = 0
+        self.blind: bool | None = None  # None until the first decision
+        self.blind_seconds = 0.0
+        self.blind_episodes = 0
+        self._blind_since: float | None = None
+        # What the last `limit()` found, for the metrics (read on the exporter's threads, written on the loop's).
+        self.published: Limit | None = None
+        self.published_fresh = 0
+
+    # -- the hooks' answers ------------------------------------------------------------------------
+    def record(self, hook: HookState, fits: list[RankFit] | None, error: str | None) -> None:
+        if fits is not None:
+            hook.fits, hook.scraped_at, hook.error = fits, time.monotonic(), None
+        else:
+            hook.error = error
+            hook.failures += 1
+
+    def fresh(self) -> list[tuple[HookState, RankFit]]:
+        now, wall = time.monotonic(), time.time()
+        found = []
+        for hook in self.hooks:
+            if hook.scraped_at is None or now - hook.scraped_at > self.stale_s:
+                continue
+            for fit in hook.fits:
+                if fit.forecast_time is not None and wall - fit.forecast_time > self.stale_s:
+                    continue
+                found.append((hook, fit))
+        return found
+
+    def why_blind(self) -> str:
+        parts = []
+        for hook in self.hooks:
+            if hook.scraped_at is None or time.monotonic() - hook.scraped_at > self.stale_s:
+                parts.append(f"{hook.target.url}: {hook.error or 'no answer yet'}")
+            elif not hook.fits:
+                parts.append(f"{hook.target.url}: exports no {MAX_PREFILL}")
+            else:
+                parts.append(f"{hook.target.url}: forecast older than {self.stale_s:g} s")
+        return "; ".join(parts)
+
+    # -- the limit ----------------------------------------------------------------------------------
+    def limit(self) -> Limit | None:
+        """The limit in force now, or None when blind (also tracks the blind episodes)."""
+        fresh = self.fresh()
+        self._set_blind(not fresh)
+        self.published_fresh = len(fresh)
+        if not fresh:
+            self.published = None
+            return None
+        hook, fit = min(fresh, key=lambda hf: hf[1].tokens(self.reserve_bytes))
+        rank_tokens = fit.tokens(self.reserve_bytes)
+        self.published = Limit(max(0, rank_tokens - self.in_prefill_tokens), rank_tokens, self.in_prefill_tokens,
+                               fit, hook.target.url)
+        return self.published
+
+    def hold(self, tokens: int) -> None:
+        self.in_prefill_tokens += tokens
+
+    def release(self, tokens: int) -> None:
+        self.in_prefill_tokens = max(0, self.in_prefill_tokens - tokens)
+
+    def _set_blind(self, blind: bool) -> None:
+        now = time.monotonic()
+        if blind and not self.blind:
+            self.blind_episodes += 1
+            self._blind_since = now
+            log.warning("memtel guard is blind: no fresh hook (%s); requests are decided by --when-blind",
+                        self.why_blind())
+        elif not blind and self.blind:
+            self._account(now)
+            self._blind_since = None
+            log.warning("memtel guard sees again: a fresh limit from the hooks")
+        elif blind:
+            self._account(now)
+        self.blind = blind
+
+    def blind_seconds_now(self, now: float) -> float:
+        since = self._blind_since
+        return self.blind_seconds + (now - since if self.blind and since is not None else 0.0)
+
+    def _account(self, now: float) -> None:
+        if self._blind_since is not None:
+            self.blind_seconds += now - self._blind_since
+            self._blind_since = now
+
+
+async def fetch_metrics(target: HookTarget, timeout_s: float) -> str:
+    """One GET of a hook's /metrics; OSError / TimeoutError / ValueError on failure."""
+    async def get() -> str:
+        context = ssl.create_default_context() if target.tls else None
+        reader, writer = await asyncio.open_connection(target.host, target.port, ssl=context,
+                                                       limit=MAX_METRICS_BYTES)
+        try:
+            auth = f"Authorization: {target.authorization}\r\n" if target.authorization else ""
+            writer.write(f"GET {target.path} HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n{auth}"
+                         "Accept: text/plain\r\nConnection: close\r\n\r\n".encode())
+            await writer.drain()
+            data = await reader.read(MAX_METRICS_BYTES + 1)
+            while len(data) <= MAX_METRICS_BYTES and (more := await reader.read(MAX_METRICS_BYTES + 1 - len(data))):
+                data += more
+        finally:
+            writer.close()
+        if len(data) > MAX_METRICS_BYTES:
+            raise ValueError(f"answer larger than {MAX_METRICS_BYTES} bytes")
+        head, sep, body = data.partition(b"\r\n\r\n")
+        status_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+        if not sep or status_line.split(" ")[1:2] != ["200"]:
+            raise ValueError(f"answered {status_line[:60]!r}")
+        if b"transfer-encoding: chunked" in head.lower():
+            body = _unchunk(body)
+        return body.decode("utf-8", "replace")
+
+    return await asyncio.wait_for(get(), timeout_s)
+
+
+def _unchunk(body: bytes) -> bytes:
+    out = bytearray()
+    while body:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        body = rest[size + 2:]
+    return bytes(out)
+
+
+async def scrape_forever(tracker: LimitTracker, poll_s: float, timeout_s: float) -> None:
+    """Scrape every hook every `poll_s` (all at once), record the answers, keep the blind state current."""
+    async def one(hook: HookState) -> None:
+        try:
+            fits = parse_fits(await fetch_metrics(hook.target, timeout_s))
+        except (OSError, asyncio.TimeoutError, ValueError) as exc:
+            tracker.record(hook, None, f"{type(exc).__name__}: {exc}"[:200])
+        else:
+            tracker.record(hook, fits, None)
+
+    while True:
+        started = time.monotonic()
+        await asyncio.gather(*(one(h) for h in tracker.hooks))
+        tracker.limit()  # a blind episode starts and ends with the hooks, not with the next request
+        await asyncio.sleep(max(0.0, poll_s - (time.monotonic() - started)))
+
+
+__all__ = ["FIT_BUDGET", "GROWTH", "LAST_SUCCESS", "MAX_PREFILL", "HookState", "HookTarget", "Limit", "LimitTracker",
+           "RankFit", "fetch_metrics", "parse_fits", "scrape_forever"]

@@ -1,0 +1,133 @@
+"""The guard's own Prometheus metrics: what it admitted and refused, the limit in force, its blind time.
+
+The proxy's event loop counts into `GuardMetrics` (plain counts under a lock); `GuardCollector` builds
+fresh families from those counts and from what the limit tracker last published on every scrape, so a
+scrape (on the exporter's threads) never touches the hooks or the loop. Names, types and help texts are
+the catalogue's (telemetry/catalogue/metrics.py, "the guard"); docs/guard.md lists them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from telemetry.catalogue import metrics as catalogue
+from telemetry.catalogue.family import Family
+from telemetry.guard.limit import LimitTracker
+
+# The guard adds well under a millisecond when it forwards by the byte bound, and an upstream /tokenize
+# call (milliseconds to a second for a long prompt) when it has to count.
+ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                         2.5, 5.0)
+# Label values exported even at 0, so a rate() sees the first one.
+FIXED_LABELS: dict[Family, tuple[tuple[str, ...], ...]] = {
+    catalogue.GUARD_REJECTED: (("would_not_fit",), ("in_prefill",), ("blind",), ("bad_request",), ("not_forwarded",)),
+    catalogue.GUARD_BLIND_DECISIONS: (("admit",), ("reject",)),
+    catalogue.GUARD_UPSTREAM_FAILURES: (("connect",), ("request",), ("body",), ("tokenize",)),
+    catalogue.GUARD_CONNECTIONS: (("evicted",), ("refused",)),
+    catalogue.GUARD_PASSED_THROUGH: ((),),
+    catalogue.GUARD_TOKENIZE_CALLS: ((),),
+}
+
+
+class GuardMetrics:
+    """Counts the proxy keeps: by catalogue family and label values, and the added-latency histogram."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[tuple[Family, tuple[str, ...]]] = collections.Counter()
+        self._buckets = [0] * (len(ADDED_LATENCY_BUCKETS) + 1)
+        self._latency_sum = 0.0
+
+    def count(self, family: Family, *labels: str) -> None:
+        with self._lock:
+            self._counts[(family, labels)] += 1
+
+    def observe_added(self, seconds: float) -> None:
+        with self._lock:
+            self._buckets[bisect.bisect_left(ADDED_LATENCY_BUCKETS, seconds)] += 1
+            self._latency_sum += seconds
+
+    def counts(self) -> dict[tuple[Family, tuple[str, ...]], int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def latency(self) -> tuple[list[int], float]:
+        with self._lock:
+            return list(self._buckets), self._latency_sum
+
+
+class GuardCollector(Collector):
+    """The guard's families, built fresh on every scrape."""
+
+    def __init__(self, metrics: GuardMetrics, tracker: LimitTracker) -> None:
+        self.metrics = metrics
+        self.tracker = tracker
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._counters()
+        yield self._latency()
+        yield from self._limit()
+
+    def _counters(self) -> Iterator[Metric]:
+        counts = self.metrics.counts()
+        for family in (catalogue.GUARD_ADMITTED, catalogue.GUARD_REJECTED, catalogue.GUARD_BLIND_DECISIONS,
+                       catalogue.GUARD_PASSED_THROUGH, catalogue.GUARD_TOKENIZE_CALLS,
+                       catalogue.GUARD_UPSTREAM_FAILURES, catalogue.GUARD_CONNECTIONS):
+            values = {labels: 0 for labels in FIXED_LABELS.get(family, ())}
+            values.update({labels: n for (f, labels), n in counts.items() if f == family})
+            if not family.labels:
+                yield family.new(values.get((), 0))
+                continue
+            metric = family.new()
+            for labels, n in sorted(values.items()):
+                metric.add_metric(list(labels), n)
+            yield metric
+
+    def _latency(self) -> Metric:
+        buckets, total = self.metrics.latency()
+        metric = catalogue.GUARD_ADDED_LATENCY.new()
+        cumulative, running = [], 0
+        for bound, n in zip((*ADDED_LATENCY_BUCKETS, float("inf")), buckets, strict=True):
+            running += n
+            cumulative.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        metric.add_metric([], cumulative, total)
+        return metric
+
+    def _limit(self) -> Iterator[Metric]:
+        tracker = self.tracker
+        limit = tracker.published
+        if limit is not None:
+            yield catalogue.GUARD_LIMIT_TOKENS.new(limit.tokens)
+            limiting = catalogue.GUARD_MAX_PREFILL_TOKENS.new()
+            limiting.add_metric([limit.fit.node, limit.fit.rank], limit.rank_tokens)
+            yield limiting
+        yield catalogue.GUARD_IN_PREFILL_TOKENS.new(tracker.in_prefill_tokens)
+        yield catalogue.GUARD_HOOKS.new(len(tracker.hooks))
+        yield catalogue.GUARD_FRESH_RANKS.new(tracker.published_fresh)
+        yield catalogue.GUARD_BLIND.new(1 if tracker.blind else 0)
+        yield catalogue.GUARD_BLIND_SECONDS.new(tracker.blind_seconds_now(time.monotonic()))
+        yield catalogue.GUARD_BLIND_EPISODES.new(tracker.blind_episodes)
+        failures = catalogue.GUARD_HOOK_SCRAPE_FAILURES.new()
+        for hook in tracker.hooks:
+            failures.add_metric([hook.target.url], hook.failures)
+        yield failures
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
+def guard_registry(metrics: GuardMetrics, tracker: LimitTracker) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GuardCollector(metrics, tracker))
+    return registry
+
+
+__all__ = ["ADDED_LATENCY_BUCKETS", "GuardCollector", "GuardMetrics", "guard_registry"]

@@ -1,0 +1,98 @@
+"""One forecast cycle's simulation, from the allocator's segments: the forecasts and the longest prefill that fits.
+
+What the helper process runs for the hook's forecast thread (helper.py), and the thread itself where no helper
+can run (in-process). Also the plain-data form of its input and output, for the pipe between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from telemetry.hook.forecast.budget import BudgetBase, FitBudget
+
+if TYPE_CHECKING:
+    from telemetry.hook.forecast.workload import ForecastWorkload
+    from telemetry.model.indexer.fit import MaxFit
+    from telemetry.model.indexer.forecast import Forecast
+
+
+@dataclass(frozen=True)
+class CycleOutput:
+    allocated_bytes: int                      # the state's, at the snapshot
+    reserved_bytes: int
+    forecasts: tuple[Forecast, ...]           # empty when none were asked for
+    budget: FitBudget | None
+    max_fit: MaxFit | None
+
+
+def run_cycle(segments: Any, device: int | None, workload: ForecastWorkload, conf: str, tokens: tuple[int, ...],
+              base: BudgetBase | None, pause: Callable[[], None] | None = None) -> CycleOutput:
+    """Read the segments, forecast each length in `tokens`, and search the longest prefill within the budget.
+    Raises SnapshotError (a ConfigError) for a state the simulator does not model; anything else is a failure
+    of the simulation."""
+    from telemetry.model.allocsim.snapshot import read_allocator_state
+    from telemetry.model.indexer.fit import max_prefill_tokens
+    from telemetry.model.indexer.forecast import forecast
+
+    state = read_allocator_state(segments, device=device, source="the live allocator", pause=pause)
+    counters = state.counters
+    forecasts = tuple(forecast(state, workload.shape, n, mode=workload.mode,  # type: ignore[arg-type]
+                               alloc_conf=conf, pattern=workload.pattern, pause=pause) for n in tokens)
+    budget = max_fit = None
+    if base is not None:
+        budget = base.for_allocator(counters.allocated_bytes, counters.reserved_bytes)
+        max_fit = max_prefill_tokens(state, workload.shape, limit_bytes=budget.limit_bytes,
+                                     mode=workload.mode, alloc_conf=conf,  # type: ignore[arg-type]
+                                     pattern=workload.pattern, total_memory=budget.total_memory, pause=pause)
+    return CycleOutput(counters.allocated_bytes, counters.reserved_bytes, forecasts, budget, max_fit)
+
+
+# ---- plain data (marshal) for the pipe -----------------------------------------------------------------------
+
+def encode_request(device: int | None, workload: ForecastWorkload, conf: str, tokens: tuple[int, ...],
+                   base: BudgetBase | None) -> dict[str, Any]:
+    pattern = workload.pattern
+    return {"device": device, "shape": workload.shape.as_dict(), "mode": workload.mode, "conf": conf,
+            "pattern": None if pattern is None else [pattern.keep_previous, pattern.transient_bytes,
+                                                     pattern.row_scale],
+            "tokens": list(tokens),
+            "base": None if base is None else [base.base_bytes, base.memory, base.total_memory, base.detail]}
+
+
+def decode_request(doc: dict[str, Any]) -> tuple[int | None, ForecastWorkload, str, tuple[int, ...], BudgetBase | None]:
+    from telemetry.hook.forecast.workload import ForecastWorkload
+    from telemetry.model.indexer.prefill import LaunchPattern
+    from telemetry.model.indexer.shape import IndexerShape
+
+    pattern = None if doc["pattern"] is None else LaunchPattern(*doc["pattern"])
+    workload = ForecastWorkload(IndexerShape(**doc["shape"]), doc["mode"], pattern=pattern)
+    base = None if doc["base"] is None else BudgetBase(*doc["base"])
+    return doc["device"], workload, doc["conf"], tuple(doc["tokens"]), base
+
+
+def encode_output(output: CycleOutput) -> dict[str, Any]:
+    budget, max_fit = output.budget, output.max_fit
+    return {"allocated": output.allocated_bytes, "reserved": output.reserved_bytes,
+            "forecasts": [{**f.as_json(), "start": list(f.start)} for f in output.forecasts],
+            "budget": None if budget is None else [budget.budget_bytes, budget.limit_bytes, budget.memory,
+                                                   budget.total_memory, budget.detail],
+            "max_fit": None if max_fit is None else max_fit.as_json()}
+
+
+def decode_output(doc: dict[str, Any]) -> CycleOutput:
+    from telemetry.allocator_counters import AllocatorCounters
+    from telemetry.model.indexer.fit import MaxFit
+    from telemetry.model.indexer.forecast import Forecast, GrowthStep
+
+    names = [field.name for field in dataclasses.fields(Forecast)]
+    forecasts = tuple(Forecast(**{**{name: f[name] for name in names if name in f}, "start": AllocatorCounters(
+        *f["start"]), "growth_steps": tuple(GrowthStep(**g) for g in f["growth_steps"])}) for f in doc["forecasts"])
+    budget = None if doc["budget"] is None else FitBudget(*doc["budget"])
+    max_fit = None if doc["max_fit"] is None else MaxFit(**doc["max_fit"])
+    return CycleOutput(doc["allocated"], doc["reserved"], forecasts, budget, max_fit)
+
+
+__all__ = ["CycleOutput", "decode_output", "decode_request", "encode_output", "encode_request", "run_cycle"]

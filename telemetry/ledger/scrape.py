@@ -1,0 +1,258 @@
+"""Read the daemons' and the hooks' /metrics and put them into ledgers: one `LedgerReport` per moment.
+
+A URL that does not answer is reported as unreachable with the reason, never as zeros. Hooks are placed on
+the node whose daemon has the same host in its URL (the usual deployment: both on the node's address); a hook
+with no such daemon is shown under its own `node` label.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from telemetry.errors import ConfigError
+from telemetry.ledger.lines import NodeLedger, ProcessLedger
+
+MAX_BODY_BYTES = 8 << 20     # a daemon's body is ~30 kB; a hook's with many sites a few hundred kB
+DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_DAEMON = "http://127.0.0.1:9101/metrics"
+DEFAULT_HOOK_PORTS = range(9200, 9208)   # MEMTEL_PORT's default + local ranks 0..7
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+@dataclass(frozen=True)
+class Scrape:
+    url: str
+    samples: tuple[Sample, ...] = ()
+    error: str | None = None    # why it could not be read (None: it answered)
+
+    def values(self, name: str, **match: str) -> list[Sample]:
+        return [s for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in match.items())]
+
+    def first(self, name: str, **match: str) -> float | None:
+        found = self.values(name, **match)
+        return found[0].value if found else None
+
+    def total(self, name: str) -> float | None:
+        found = self.values(name)
+        return sum(s.value for s in found) if found else None
+
+
+def metrics_url(text: str) -> str:
+    """`host:port`, `http://host:port` or a full URL -> the /metrics URL; ConfigError for anything else."""
+    value = text.strip()
+    if not value:
+        raise ConfigError("an empty URL: expected http://HOST:PORT[/metrics] or HOST:PORT")
+    if "://" not in value:
+        value = "http://" + value
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{text!r} is not a metrics URL: expected http://HOST:PORT[/metrics] or HOST:PORT")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ConfigError(f"{text!r} has no valid port: expected a number from 1 to 65535") from None
+    path = parts.path if parts.path not in ("", "/") else "/metrics"
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def url_list(text: str) -> list[str]:
+    urls = [metrics_url(part) for part in text.split(",") if part.strip()]
+    if not urls:
+        raise ConfigError(f"{text!r} names no URL: expected URL[,URL...]")
+    return urls
+
+
+def scrape(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Scrape:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:   # http(s) only: metrics_url
+            body = response.read(MAX_BODY_BYTES + 1)
+        if len(body) > MAX_BODY_BYTES:
+            return Scrape(url, error=f"body over {MAX_BODY_BYTES >> 20} MiB")
+        text = body.decode("utf-8")
+        samples = tuple(Sample(s.name, dict(s.labels), float(s.value))
+                        for family in text_string_to_metric_families(text) for s in family.samples)
+        return Scrape(url, samples)
+    except urllib.error.HTTPError as error:
+        return Scrape(url, error=f"HTTP {error.code}")
+    except urllib.error.URLError as error:
+        return Scrape(url, error=str(getattr(error.reason, "strerror", None) or error.reason))
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+        return Scrape(url, error=str(error) or type(error).__name__)
+
+
+def scrape_all(urls: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Scrape]:
+    if not urls:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+        return list(pool.map(lambda u: scrape(u, timeout_s), urls))
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True)
+class HookView:
+    url: str
+    node_label: str | None
+    process: ProcessLedger | None
+    calls: int | None
+    growth_events: int | None
+    max_prefill_tokens: int | None
+    error: str | None = None
+
+
+@dataclass
+class NodeView:
+    name: str
+    daemon_url: str | None
+    error: str | None = None
+    ledger: NodeLedger | None = None
+    headroom: int | None = None
+    contiguous_free: int | None = None
+    mem_available: int | None = None
+    kernel_errors: dict[str, int] = field(default_factory=dict)
+    hooks: list[HookView] = field(default_factory=list)
+
+
+@dataclass
+class LedgerReport:
+    taken_at: float
+    nodes: list[NodeView]
+    unreachable_default_hooks: bool = False   # no hook answered on the default ports
+
+    def as_dict(self) -> dict[str, Any]:
+        def node(n: NodeView) -> dict[str, Any]:
+            return {
+                "node": n.name, "daemon": n.daemon_url, "error": n.error,
+                "lines": None if n.ledger is None else {"total": n.ledger.total, "used": n.ledger.used,
+                                                        **n.ledger.lines()},
+                "unified_memory": None if n.ledger is None else n.ledger.unified,
+                "headroom_bytes": n.headroom, "contiguous_free_bytes": n.contiguous_free,
+                "mem_available_bytes": n.mem_available, "kernel_errors": n.kernel_errors,
+                "processes": [{"hook": h.url, "error": h.error, "calls": h.calls, "growth_events": h.growth_events,
+                               "max_prefill_tokens": h.max_prefill_tokens,
+                               **({} if h.process is None else h.process.as_dict())} for h in n.hooks],
+            }
+        return {"taken_at": self.taken_at, "nodes": [node(n) for n in self.nodes],
+                "no_hook_on_default_ports": self.unreachable_default_hooks}
+
+
+KERNEL_ERRORS = {"nv_err_no_memory": "memtel_kernel_nv_err_no_memory_events_total",
+                 "xid": "memtel_kernel_xid_events_total", "oom_kill": "memtel_kernel_oom_kill_events_total"}
+
+
+def node_view(name: str, scrape_: Scrape) -> NodeView:
+    view = NodeView(name, scrape_.url, error=scrape_.error)
+    if scrape_.error is not None:
+        return view
+    gpu_processes = [int(s.value) for s in scrape_.values("memtel_gpu_process_memory_used_bytes")]
+    unified_values = scrape_.values("memtel_gpu_unified_memory")
+    unified = None if not unified_values else any(s.value == 1 for s in unified_values)
+    view.ledger = NodeLedger.from_values(
+        mem_total=_int(scrape_.first("memtel_node_mem_total_bytes")),
+        mem_free=_int(scrape_.first("memtel_node_mem_free_bytes")),
+        active_file=_int(scrape_.first("memtel_node_mem_active_file_bytes")),
+        inactive_file=_int(scrape_.first("memtel_node_mem_inactive_file_bytes")),
+        unaccounted=_int(scrape_.first("memtel_node_mem_unaccounted_bytes")),
+        gpu_process_bytes=gpu_processes, unified=unified)
+    view.headroom = _int(scrape_.first("memtel_node_unified_headroom_bytes"))
+    view.contiguous_free = _int(scrape_.first("memtel_node_mem_free_contiguous_bytes"))
+    view.mem_available = _int(scrape_.first("memtel_node_mem_available_bytes"))
+    for short, name_ in KERNEL_ERRORS.items():
+        value = scrape_.total(name_)
+        if value is not None:
+            view.kernel_errors[short] = int(value)
+    return view
+
+
+def hook_view(scrape_: Scrape, daemon: Scrape | None) -> HookView:
+    if scrape_.error is not None:
+        return HookView(scrape_.url, None, None, None, None, None, error=scrape_.error)
+    engine = {s.name: s for s in scrape_.samples if s.name.startswith("memtel_engine_")}
+    any_sample = next(iter(engine.values()), None)
+    labels = any_sample.labels if any_sample is not None else {}
+    rank = labels.get("rank") or next((s.labels.get("rank", "") for s in scrape_.samples if "rank" in s.labels), "")
+    node_label = labels.get("node") or next((s.labels["node"] for s in scrape_.samples if "node" in s.labels), None)
+    pid = labels.get("pid", "")
+
+    def value(name: str) -> int | None:
+        sample = engine.get(name)
+        return None if sample is None else int(sample.value)
+
+    nvml = None
+    if daemon is not None and daemon.error is None and pid:
+        found = daemon.values("memtel_gpu_process_memory_used_bytes", pid=pid)
+        nvml = sum(int(s.value) for s in found) if found else None
+    process = None
+    if engine:
+        process = ProcessLedger.from_values(
+            rank=rank, pid=pid, weights=value("memtel_engine_weights_bytes"),
+            kv_cache=value("memtel_engine_kv_cache_bytes"),
+            cuda_graph_pool=value("memtel_engine_cuda_graph_pool_bytes"),
+            reserved=value("memtel_engine_allocator_reserved_bytes"),
+            allocated=value("memtel_engine_allocator_allocated_bytes"), nvml_process_bytes=nvml,
+            device_used_bytes=value("memtel_engine_device_used_bytes"), host_rss=value("memtel_engine_resident_bytes"))
+    elif rank:
+        process = ProcessLedger.from_values(rank=rank, pid="", weights=None, kv_cache=None, cuda_graph_pool=None,
+                                            reserved=None, allocated=None, nvml_process_bytes=None,
+                                            device_used_bytes=None, host_rss=None)
+    max_fit = scrape_.first("memtel_forecast_max_prefill_tokens")
+    return HookView(scrape_.url, node_label, process, calls=_int(scrape_.total("memtel_hook_calls_total")),
+                    growth_events=_int(scrape_.total("memtel_hook_growth_events_total")),
+                    max_prefill_tokens=_int(max_fit))
+
+
+def default_hook_urls(hosts: Iterable[str]) -> list[str]:
+    return [f"http://{host}:{port}/metrics" for host in hosts for port in DEFAULT_HOOK_PORTS]
+
+
+def take_report(daemon_urls: Sequence[str], hook_urls: Sequence[str] | None, *,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> LedgerReport:
+    """Scrape everything at once and build the report. `hook_urls` None: the default hook ports on each
+    daemon's host, where only those that answer are shown."""
+    default_hooks = hook_urls is None
+    hosts = [urlsplit(u).netloc.rsplit(":", 1)[0] for u in daemon_urls]
+    hooks = default_hook_urls(dict.fromkeys(hosts)) if hook_urls is None else list(hook_urls)
+    scrapes = scrape_all([*daemon_urls, *hooks], timeout_s)
+    daemons, hook_scrapes = scrapes[:len(daemon_urls)], scrapes[len(daemon_urls):]
+    if default_hooks:
+        hook_scrapes = [s for s in hook_scrapes if s.error is None]
+    nodes: list[NodeView] = []
+    by_host: dict[str, tuple[NodeView, Scrape]] = {}
+    for url, daemon in zip(daemon_urls, daemons, strict=True):
+        host = urlsplit(url).netloc.rsplit(":", 1)[0]
+        node = node_view(host, daemon)
+        nodes.append(node)
+        by_host.setdefault(host, (node, daemon))
+    orphans: dict[str, NodeView] = {}
+    for hook in hook_scrapes:
+        host = urlsplit(hook.url).netloc.rsplit(":", 1)[0]
+        placed = by_host.get(host)
+        view = hook_view(hook, placed[1] if placed else None)
+        if placed is not None:
+            placed[0].hooks.append(view)
+        else:
+            name = view.node_label or host
+            orphans.setdefault(name, NodeView(name, None, error="no daemon given for this node")).hooks.append(view)
+    nodes.extend(orphans.values())
+    return LedgerReport(time.time(), nodes, unreachable_default_hooks=default_hooks and not hook_scrapes)
+
+
+__all__ = ["DEFAULT_DAEMON", "HookView", "LedgerReport", "NodeView", "Sample", "Scrape", "metrics_url", "scrape",
+           "take_report", "url_list"]

@@ -1,0 +1,169 @@
+"""`memtel top`: the ledger, live in the terminal, every second (like nvtop or gpustat, correct on unified memory).
+
+Per node: headroom and its trend, contiguous free memory, the ledger's lines; per process: the ledger's row,
+hooked calls and growth events since the last frame; kernel-log errors as they arrive. Keys: q quit, p pause,
+s next sort, r refresh now. `--once` (or a dumb terminal, or output that is not a terminal) prints one frame
+and exits. Nothing here writes anything: it only reads the exporters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from telemetry.ledger.cli import positive_seconds, url_list
+from telemetry.ledger.render import PROCESS_HEADER, SORTS, node_block, process_row, size
+from telemetry.ledger.scrape import DEFAULT_DAEMON, LedgerReport, take_report
+
+TREND_WINDOW_S = 10.0
+KEYS = "[q]uit [p]ause [s]ort [r]efresh"
+
+
+@dataclass
+class History:
+    """What the frames before this one saw: headroom over time per node, counters per hook, kernel errors."""
+
+    headroom: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+    calls: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    kernel: dict[str, dict[str, int]] = field(default_factory=dict)
+    events: deque[str] = field(default_factory=lambda: deque(maxlen=50))
+
+    def trend(self, node: str) -> float | None:
+        """Headroom change in bytes per second over the last TREND_WINDOW_S (None with fewer than 2 points)."""
+        points = self.headroom.get(node)
+        if not points or len(points) < 2:
+            return None
+        (t0, h0), (t1, h1) = points[0], points[-1]
+        return None if t1 <= t0 else (h1 - h0) / (t1 - t0)
+
+    def update(self, report: LedgerReport) -> dict[str, tuple[int | None, int | None]]:
+        """Record this report; returns per hook URL (calls, growth events) since the last frame."""
+        now = report.taken_at
+        deltas: dict[str, tuple[int | None, int | None]] = {}
+        stamp = time.strftime("%H:%M:%S", time.localtime(now))
+        for node in report.nodes:
+            if node.headroom is not None:
+                points = self.headroom.setdefault(node.name, deque())
+                points.append((now, node.headroom))
+                while points and now - points[0][0] > TREND_WINDOW_S:
+                    points.popleft()
+            before = self.kernel.get(node.name)
+            for kind, count in node.kernel_errors.items():
+                if before is not None and count > before.get(kind, 0):
+                    self.events.append(f"{stamp} {node.name}: kernel log {kind} +{count - before.get(kind, 0)}")
+            if node.error is None:
+                self.kernel[node.name] = dict(node.kernel_errors)
+            for hook in node.hooks:
+                old = self.calls.get(hook.url)
+                if old is not None and hook.calls is not None and old[0] is not None:
+                    grew = (None if hook.growth_events is None or old[1] is None
+                            else hook.growth_events - old[1])
+                    deltas[hook.url] = (hook.calls - old[0], grew)
+                    if grew:
+                        self.events.append(f"{stamp} {node.name}: rank {hook.process.rank if hook.process else '?'}"
+                                           f" +{grew} growth events")
+                if hook.error is None:
+                    self.calls[hook.url] = (hook.calls, hook.growth_events)
+        return deltas
+
+
+def frame(report: LedgerReport, history: History, deltas: dict[str, tuple[int | None, int | None]], *,
+          sort: str, paused: bool, width: int, height: int, interval: float) -> list[str]:
+    stamp = time.strftime("%H:%M:%S", time.localtime(report.taken_at))
+    state = "PAUSED" if paused else f"every {interval:g}s"
+    lines = [f"memtel top  {stamp}  {state}  sort: {sort}  {KEYS}"]
+    for node in report.nodes:
+        block = node_block(node)
+        trend = history.trend(node.name)
+        if trend is not None and node.error is None:
+            block[0] += f"  headroom {'+' if trend >= 0 else '-'}{size(int(abs(trend)))}/s"
+        lines.extend(block)
+        if node.hooks:
+            lines.append(PROCESS_HEADER)
+            for hook in sorted(node.hooks, key=SORTS[sort]):
+                lines.append(process_row(hook))
+                calls, grew = deltas.get(hook.url, (None, None))
+                if hook.error is None and hook.calls is not None:
+                    lines.append(f"{'':14}calls {hook.calls:,}" + (f" (+{calls})" if calls else "")
+                                 + (f"  growth events {hook.growth_events}" if hook.growth_events is not None else "")
+                                 + (f" (+{grew})" if grew else ""))
+        elif node.error is None:
+            lines.append("  no hook answered" + (" on ports 9200-9207" if report.unreachable_default_hooks else ""))
+    room = height - len(lines) - 1
+    if history.events and room > 1:
+        lines.append("events:")
+        lines.extend(list(history.events)[-(room - 1):])
+    return [line[:width] for line in lines[:height]]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("The ledger live in the terminal (memtel ledger, every second): headroom and its trend, "
+                          "contiguous free memory, the ledger per process, hooked calls and growth events, "
+                          "kernel-log errors as they arrive. Keys: q quit, p pause, s sort, r refresh.")
+    parser.add_argument("--daemon", type=url_list, default=[DEFAULT_DAEMON], metavar="URL[,URL...]",
+                        help=f"the nodes' memtel daemons (default {DEFAULT_DAEMON})")
+    parser.add_argument("--hooks", type=url_list, default=None, metavar="URL[,URL...]",
+                        help="the ranks' hook exporters (default: ports 9200-9207 on each daemon's host)")
+    parser.add_argument("--interval", type=positive_seconds, default=1.0, help="seconds between frames (default 1)")
+    parser.add_argument("--sort", choices=sorted(SORTS), default="rank", help="order of the process rows")
+    parser.add_argument("--once", action="store_true", help="print one frame and exit (dumb terminals, scripts)")
+
+
+def run(args: argparse.Namespace) -> int:
+    dumb = os.environ.get("TERM", "dumb") in ("", "dumb") or not sys.stdout.isatty() or not sys.stdin.isatty()
+    timeout = min(1.0, args.interval)
+    if args.once or dumb:
+        history = History()
+        report = take_report(args.daemon, args.hooks, timeout_s=timeout)
+        deltas = history.update(report)
+        size_ = os.get_terminal_size(sys.stdout.fileno()) if sys.stdout.isatty() else os.terminal_size((80, 200))
+        print("\n".join(frame(report, history, deltas, sort=args.sort, paused=False, width=size_.columns,
+                              height=10_000, interval=args.interval)))
+        return 0
+    import curses
+
+    return int(curses.wrapper(_loop, args, timeout))
+
+
+def _loop(screen: object, args: argparse.Namespace, timeout: float) -> int:
+    import curses
+
+    assert isinstance(screen, curses.window)
+    curses.curs_set(0)
+    screen.timeout(100)
+    history = History()
+    sorts = sorted(SORTS)
+    sort = args.sort
+    paused = False
+    report: LedgerReport | None = None
+    deltas: dict[str, tuple[int | None, int | None]] = {}
+    due = 0.0
+    while True:
+        now = time.monotonic()
+        if not paused and now >= due:
+            report = take_report(args.daemon, args.hooks, timeout_s=timeout)
+            deltas = history.update(report)
+            due = now + args.interval
+        if report is not None:
+            height, width = screen.getmaxyx()
+            screen.erase()
+            for row, line in enumerate(frame(report, history, deltas, sort=sort, paused=paused,
+                                             width=max(1, width - 1), height=height, interval=args.interval)):
+                screen.addstr(row, 0, line)
+            screen.refresh()
+        key = screen.getch()
+        if key in (ord("q"), ord("Q"), 27):
+            return 0
+        if key in (ord("p"), ord("P"), ord(" ")):
+            paused = not paused
+        elif key in (ord("s"), ord("S")):
+            sort = sorts[(sorts.index(sort) + 1) % len(sorts)]
+        elif key in (ord("r"), ord("R")):
+            due = 0.0
+
+
+__all__ = ["History", "frame"]

@@ -1,0 +1,183 @@
+"""The node's unified-memory headroom: how much a GPU on unified memory could still get, from procfs figures.
+
+    headroom = min(MemAvailable, free_contiguous + success_ratio × (MemAvailable − free_contiguous))
+
+- `free_contiguous`: free memory in blocks of at least 2 MiB (/proc/buddyinfo): what a large-page
+  allocation gets now, without reclaim or compaction.
+- `MemAvailable − free_contiguous`: what the kernel says it can give back (page cache, reclaimable slab,
+  small free blocks), but only in 2 MiB blocks after reclaiming and compacting it.
+- `success_ratio`: of the page faults of the last `WINDOW_SECONDS` that asked for a transparent huge page
+  (/proc/vmstat thp_fault_alloc and thp_fault_fallback), the share that got one. With THP `madvise` and
+  defrag `madvise` (the Debian/Ubuntu default), such a fault reclaims and compacts before it falls back, so
+  the share is what the kernel could really turn into 2 MiB blocks. None (counted as 1: no evidence that
+  it fails) with fewer than `MIN_FAULTS` faults, or where faults fall back without trying (THP `always`
+  with a defrag setting other than `always`: `thp_faults_compact`).
+
+Direct-compaction counters (compact_success, compact_fail) are exported but not used: on this machine a
+14 GiB huge-page allocation into a full page cache got 93 % huge pages while compaction failed 2,405 times
+out of 2,775 (it fails while free memory is short, then reclaim frees some and the fault succeeds);
+BENCHMARKS.md, "Headroom: what a large-page allocation really gets".
+
+A healthy node with a full page cache reads MemAvailable; a fragmented node whose huge-page faults fall back
+reads close to its free contiguous memory; a collapse reads low because MemAvailable itself falls. The old
+figure, min(MemAvailable, free_contiguous), is kept as `headroom_without_reclaim`. docs/metrics.md argues it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+WINDOW_SECONDS = 300.0
+MIN_FAULTS = 8  # fewer huge-page faults in the window than this: no evidence
+FAULT_FIELDS = ("thp_fault_alloc", "thp_fault_fallback")
+THP_SYSFS = "/sys/kernel/mm/transparent_hugepage"
+
+
+def headroom_without_reclaim(mem_available: int, free_contiguous: int) -> int:
+    """The old definition: what a large-page allocation gets without reclaim or compaction."""
+    return min(mem_available, free_contiguous)
+
+
+def unified_headroom(mem_available: int, free_contiguous: int, success_ratio: float | None) -> int:
+    """The headroom (module docstring); `success_ratio` None means no evidence, counted as 1."""
+    ratio = 1.0 if success_ratio is None else min(max(success_ratio, 0.0), 1.0)
+    reclaimable = max(mem_available - free_contiguous, 0)
+    return min(mem_available, free_contiguous + int(ratio * reclaimable))
+
+
+def selected(sysfs_text: str) -> str:
+    """The bracketed choice of a THP sysfs file: "always [madvise] never" -> "madvise"."""
+    start, end = sysfs_text.find("["), sysfs_text.find("]")
+    return sysfs_text[start + 1:end] if 0 <= start < end else sysfs_text.strip()
+
+
+def thp_faults_compact(enabled: str, defrag: str) -> bool:
+    """Whether a huge-page fault that falls back first tried reclaim and compaction (mm/huge_memory.c,
+    vma_thp_gfp_mask): always with defrag `always`; only in MADV_HUGEPAGE regions with `madvise` or
+    `defer+madvise`. With THP `always` and another defrag, most faults are in regions that never compact, so
+    their fallbacks say nothing about what compaction could do."""
+    if enabled == "madvise":
+        return defrag in ("always", "madvise", "defer+madvise")
+    if enabled == "always":
+        return defrag == "always"
+    return False
+
+
+def read_thp_mode(sysfs: str = THP_SYSFS) -> tuple[str, str] | None:
+    try:
+        with open(f"{sysfs}/enabled") as enabled, open(f"{sysfs}/defrag") as defrag:
+            return selected(enabled.read()), selected(defrag.read())
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class FaultOutcomes:
+    """Huge-page faults over a window: those that got a huge page, those that fell back, the window's length."""
+
+    alloc: int
+    fallback: int
+    seconds: float
+
+    @property
+    def success_ratio(self) -> float | None:
+        total = self.alloc + self.fallback
+        return self.alloc / total if total >= MIN_FAULTS else None
+
+
+class FaultWindow:
+    """Keeps (time, thp_fault_alloc, thp_fault_fallback) samples and gives the outcomes of the last window.
+
+    The one piece of state of the headroom: a sample per collection, pruned to the window. A counter that
+    went backwards (a replaced /proc fixture; kernel counters only grow) restarts the window.
+    """
+
+    def __init__(self, window_seconds: float = WINDOW_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_seconds = window_seconds
+        self.clock = clock
+        self.samples: deque[tuple[float, int, int]] = deque()
+
+    def add(self, vmstat: Mapping[str, int]) -> FaultOutcomes | None:
+        """Record the counters now; the outcomes since the oldest sample of the window (None without the
+        counters: a kernel without CONFIG_TRANSPARENT_HUGEPAGE prints none)."""
+        if not all(name in vmstat for name in FAULT_FIELDS):
+            return None
+        now = self.clock()
+        alloc, fallback = vmstat["thp_fault_alloc"], vmstat["thp_fault_fallback"]
+        if self.samples and (alloc < self.samples[-1][1] or fallback < self.samples[-1][2]):
+            self.samples.clear()
+        self.samples.append((now, alloc, fallback))
+        # Keep one sample at or before the window's start, so the window is covered in full.
+        while len(self.samples) > 1 and self.samples[1][0] <= now - self.window_seconds:
+            self.samples.popleft()
+        first = self.samples[0]
+        return FaultOutcomes(alloc - first[1], fallback - first[2], now - first[0])
+
+
+# -- "falling": one definition for MemtelUnifiedHeadroomFalling and the daemon's protect action ----------------
+@dataclass(frozen=True)
+class FallingRule:
+    """The headroom is falling for real when, over the last `window_seconds` (at least `min_samples` samples):
+
+    1. floor: the headroom now is below `floor_ratio` of MemTotal (a large allocation that leaves a quarter of
+       the node free is a model or KV-cache load, not a collapse);
+    2. rate: the least-squares slope of the headroom is steeper than `rate_bytes_per_second` downward;
+    3. drop: the headroom fell by at least `min_drop_bytes` from the window's highest sample (a real fall in
+       bytes, not a 1-2 GiB wobble).
+
+    dashboards/prometheus/memtel-alerts.yml writes the same numbers as recording rules
+    (memtel:unified_headroom_falling_*); tests/alerts/test_falling_definition.py holds the two together.
+    """
+
+    window_seconds: float = 8.0
+    min_samples: int = 6
+    floor_ratio: float = 0.25
+    rate_bytes_per_second: float = 0.5 * 1024**3
+    min_drop_bytes: float = 4 * 1024**3
+
+
+FALLING = FallingRule()
+
+
+@dataclass(frozen=True)
+class FallingEvidence:
+    headroom_bytes: float
+    mem_total_bytes: float
+    slope_bytes_per_second: float | None
+    drop_bytes: float
+    samples: int
+
+    def is_falling(self, rule: FallingRule = FALLING) -> bool:
+        return (self.samples >= rule.min_samples and self.slope_bytes_per_second is not None
+                and self.headroom_bytes < rule.floor_ratio * self.mem_total_bytes
+                and self.slope_bytes_per_second < -rule.rate_bytes_per_second
+                and self.drop_bytes >= rule.min_drop_bytes)
+
+
+def least_squares_slope(points: list[tuple[float, float]]) -> float | None:
+    """Slope of the least-squares line through (time, value) points, as PromQL's deriv() fits it."""
+    if len(points) < 2:
+        return None
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_v = sum(v for _, v in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    if spread == 0:
+        return None
+    return sum((t - mean_t) * (v - mean_v) for t, v in points) / spread
+
+
+def falling_evidence(samples: list[tuple[float, float]], mem_total_bytes: float,
+                     rule: FallingRule = FALLING) -> FallingEvidence | None:
+    """The evidence at the newest of `samples` ((time, headroom) in time order), from those within the window
+    (the newest minus window_seconds, inclusive, as a PromQL range of 2.x selects); None without samples."""
+    if not samples:
+        return None
+    now, headroom = samples[-1]
+    window = [(t, v) for t, v in samples if t >= now - rule.window_seconds]
+    return FallingEvidence(headroom_bytes=headroom, mem_total_bytes=mem_total_bytes,
+                           slope_bytes_per_second=least_squares_slope(window),
+                           drop_bytes=max(v for _, v in window) - headroom, samples=len(window))

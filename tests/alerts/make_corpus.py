@@ -1,0 +1,277 @@
+"""Writes the synthetic timelines of tests/fixtures/alerts/corpus/ (docs/alerts.md, "The corpus").
+
+    .venv/bin/python -m tests.alerts.make_corpus [--out tests/fixtures/alerts/corpus]
+
+Each timeline models a node second by second: MemTotal, MemAvailable, free memory in blocks of at least
+2 MiB, the huge-page fault counters, PSI, the kernel-log counters and the collectors' health. The headroom
+series are computed by the daemon's own code (telemetry.procfs.headroom) from those inputs, so the corpus
+says what the daemon would have exported. The shapes come from the reports quoted in issue 20; the live
+recording made on this machine (page-cache-churn-live.jsonl) is written by `memtel alerts burn-in`, not here.
+Deterministic: tests/alerts/test_corpus.py checks the shipped files equal what this writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from telemetry.procfs.headroom import FaultWindow, headroom_without_reclaim, unified_headroom
+
+GIB = 1 << 30
+MIB = 1 << 20
+START = 1764547200.0  # 2025-12-01 00:00:00 UTC
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "alerts" / "corpus"
+COLLECTORS = ("meminfo", "vmstat", "pressure", "buddyinfo", "headroom", "processes", "kmsg")
+
+
+@dataclass
+class Node:
+    """The state of a node at one second; the scenario changes it, `record()` turns it into series."""
+
+    mem_total: float
+    mem_available: float
+    free_contiguous: float
+    thp_alloc: int = 0
+    thp_fallback: int = 0
+    psi_some: float = 0.0
+    psi_full: float = 0.0
+    nv_err: int = 0
+    nv_err_last_seen: float | None = None
+    nvml: bool = True
+    window: FaultWindow = field(default_factory=lambda: FaultWindow())
+
+    def record(self, now: float) -> dict:
+        self.window.clock = lambda: now
+        outcomes = self.window.add({"thp_fault_alloc": self.thp_alloc, "thp_fault_fallback": self.thp_fallback})
+        ratio = outcomes.success_ratio if outcomes else None
+        available, contiguous = int(self.mem_available), int(min(self.free_contiguous, self.mem_available))
+        values = {
+            "memtel_node_mem_total_bytes": self.mem_total,
+            "memtel_node_mem_available_bytes": available,
+            "memtel_node_mem_free_contiguous_bytes": contiguous,
+            "memtel_node_unified_headroom_bytes": unified_headroom(available, contiguous, ratio),
+            "memtel_node_unified_headroom_without_reclaim_bytes": headroom_without_reclaim(available, contiguous),
+            "memtel_node_vmstat_thp_fault_alloc_total": self.thp_alloc,
+            "memtel_node_vmstat_thp_fault_fallback_total": self.thp_fallback,
+            "memtel_node_vmstat_pswpin_total": 0, "memtel_node_vmstat_pswpout_total": 0,
+            "memtel_node_pressure_memory_some_seconds_total": round(self.psi_some, 6),
+            "memtel_node_pressure_memory_full_seconds_total": round(self.psi_full, 6),
+            "memtel_node_page_size_bytes": 4096,
+            "memtel_kernel_nv_err_no_memory_total": self.nv_err,
+            "memtel_kernel_oom_kills_total": 0,
+            "memtel_kernel_kmsg_missed_records_total": 0,
+            "memtel_gpu_nvml_available": 1 if self.nvml else 0,
+            'memtel_collector_success{collector="nvml"}': 1 if self.nvml else 0,
+        }
+        if ratio is not None:
+            values["memtel_node_huge_page_fault_success_ratio"] = ratio
+        if self.nv_err_last_seen is not None:
+            values["memtel_kernel_nv_err_no_memory_last_seen_timestamp_seconds"] = self.nv_err_last_seen
+        for name in COLLECTORS:
+            values[f'memtel_collector_success{{collector="{name}"}}'] = 1
+        return {"time": now, "values": values}
+
+
+Step = Callable[[Node, int, random.Random], None]
+
+
+def timeline(header: dict, node: Node, seconds: int, step: Step, seed: int) -> Iterator[dict]:
+    rng = random.Random(seed)
+    yield {"memtel_timeline": header}
+    for second in range(seconds):
+        step(node, second, rng)
+        yield node.record(START + second)
+
+
+def _huge_faults(node: Node, per_second: int, success: float, rng: random.Random) -> None:
+    got = sum(1 for _ in range(per_second) if rng.random() < success)
+    node.thp_alloc += got
+    node.thp_fallback += per_second - got
+
+
+# -- failures ------------------------------------------------------------------------------------------------
+def collapse() -> Iterator[dict]:
+    """29 GiB to 2.5 GiB in 9 s on a 120 GiB node (the reported collapse), 60 s steady before it; the host
+    wedges 20 s after the fall began (records stop)."""
+    onset = 60
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        fall = min(max(s - onset, 0) / 9, 1.0)
+        node.mem_available = 29 * GIB - (29 - 2.5) * GIB * fall + rng.uniform(-64, 64) * MIB * (fall < 1)
+        node.free_contiguous = node.mem_available - 2 * GIB * (1 - fall)
+        if s > onset + 9:
+            node.nv_err += 3
+            node.nv_err_last_seen = START + s
+            node.psi_some += 0.6
+            node.psi_full += 0.4
+
+    header = {"outcome": "failure", "failure_at": START + onset + 20, "onset_at": START + onset, "node": "spark-a",
+              "description": "The reported collapse replayed: headroom 29 GiB to 2.5 GiB in 9 s on a 120 GiB node "
+                             "(MemAvailable falls with it), NV_ERR_NO_MEMORY lines after, the host wedges 20 s in.",
+              "expect": [{"alert": "MemtelUnifiedHeadroomFalling", "within_s": 5}]}
+    return timeline(header, Node(120 * GIB, 29 * GIB, 27 * GIB), onset + 20, step, seed=1)
+
+
+def slow_leak_to_failure() -> Iterator[dict]:
+    """A 24 GiB node whose serving process leaks 8 MiB/s from 14 GiB of headroom until allocations fail."""
+    seconds = 14 * GIB // (8 * MIB) + 60
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        node.mem_available = max(14 * GIB - 8 * MIB * max(s - 60, 0), 256 * MIB) + rng.uniform(-32, 32) * MIB
+        node.free_contiguous = node.mem_available * 0.3
+        if node.mem_available < 1 * GIB and s % 5 == 0:
+            node.nv_err += 1
+            node.nv_err_last_seen = START + s
+
+    header = {"outcome": "failure", "failure_at": START + seconds, "onset_at": START + 60, "node": "box-24g",
+              "description": "A slow leak, 8 MiB/s for 30 minutes, from 14 GiB of headroom down to the allocation "
+                             "that fails.",
+              "expect": [{"alert": "MemtelUnifiedHeadroomLow"}]}
+    return timeline(header, Node(24 * GIB, 14 * GIB, 4 * GIB), seconds, step, seed=2)
+
+
+def fragmentation_with_free_memory() -> Iterator[dict]:
+    """20 GiB available on a 120 GiB node, almost none of it in 2 MiB blocks, and the huge-page faults of a
+    growing server fall back more and more (the compaction livelock of MiaAI DSV4.1 #23, the 0 free large
+    blocks of sparkring #173); the driver fails with 8.7 GiB still available."""
+    seconds = 900
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        node.mem_available = 20 * GIB - 11.3 * GIB * s / seconds + rng.uniform(-128, 128) * MIB
+        node.free_contiguous = 0.6 * GIB * (1 - s / seconds) + 32 * MIB
+        _huge_faults(node, 40, max(0.95 - 1.2 * s / seconds, 0.02), rng)
+        node.psi_some += 0.02 + 0.3 * s / seconds
+        if s > seconds - 120 and s % 10 == 0:
+            node.nv_err += 1
+            node.nv_err_last_seen = START + s
+
+    header = {"outcome": "failure", "failure_at": START + seconds, "onset_at": START, "node": "spark-frag",
+              "description": "Fragmentation with free memory left: 20 to 8.7 GiB available, under 1 GiB in 2 MiB "
+                             "blocks, huge-page faults failing more and more; the driver fails at the end.",
+              "expect": [{"alert": "MemtelUnifiedHeadroomLow"}]}
+    return timeline(header, Node(120 * GIB, 20 * GIB, 0.6 * GIB), seconds, step, seed=3)
+
+
+# -- benign --------------------------------------------------------------------------------------------------
+def page_cache_churn() -> Iterator[dict]:
+    """A healthy 24 GiB node whose page cache fills from files larger than memory and churns for 16 minutes:
+    MemAvailable 18-23 GiB, free 2 MiB blocks 0.1-6.7 GiB (what the old headroom read), huge-page faults of
+    a madvised process succeed."""
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        node.mem_available = 20.5 * GIB + 2.2 * GIB * math.sin(s / 37) + rng.uniform(-0.5, 0.5) * GIB
+        node.free_contiguous = max(20 * GIB - 0.5 * GIB * s, 0.1 * GIB + 3.2 * GIB * (1 + math.sin(s / 9)))
+        _huge_faults(node, rng.randint(0, 6), 0.97, rng)
+        node.psi_some += 0.002
+
+    header = {"outcome": "benign", "node": "box-24g",
+              "description": "Page cache filled from files larger than memory and churned, 16 minutes, no memory "
+                             "pressure (the run of issue 20's first paragraph)."}
+    return timeline(header, Node(24 * GIB, 22 * GIB, 20 * GIB), 960, step, seed=4)
+
+
+def model_weights_in_page_cache() -> Iterator[dict]:
+    """A 128 GB node reading 100 GiB of model weights through the page cache at 2 GiB/s, then serving."""
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        cached = min(2 * GIB * s, 100 * GIB)
+        node.mem_available = 118 * GIB - 0.02 * cached + rng.uniform(-0.2, 0.2) * GIB
+        node.free_contiguous = max(110 * GIB - cached, 1.5 * GIB)
+        _huge_faults(node, rng.randint(0, 4), 0.98, rng)
+
+    header = {"outcome": "benign", "node": "spark-weights",
+              "description": "100 GiB of model weights read into the page cache: free 2 MiB blocks fall to 1.5 GiB, "
+                             "MemAvailable stays near 116 GiB."}
+    return timeline(header, Node(120 * GIB, 118 * GIB, 110 * GIB), 600, step, seed=5)
+
+
+def large_flat_allocation() -> Iterator[dict]:
+    """vLLM starting on a 120 GiB node: weights and KV cache take 60 GiB in 30 s, then it serves flat."""
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        taken = min(max(s - 60, 0) * 2 * GIB, 60 * GIB)
+        node.mem_available = 100 * GIB - taken + rng.uniform(-0.3, 0.3) * GIB
+        node.free_contiguous = node.mem_available - 4 * GIB
+        _huge_faults(node, 20 if 60 <= s < 90 else 0, 0.99, rng)
+
+    header = {"outcome": "benign", "node": "spark-start",
+              "description": "A large allocation that stays flat: 100 GiB to 40 GiB of headroom in 30 s (an engine's "
+                             "weights and KV cache), then 10 minutes flat."}
+    return timeline(header, Node(120 * GIB, 100 * GIB, 96 * GIB), 720, step, seed=6)
+
+
+def slow_leak_above_floor() -> Iterator[dict]:
+    """A 120 GiB node losing 20 MiB/s for 20 minutes, from 60 GiB to 36.6 GiB, then flat: above every floor."""
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        node.mem_available = 60 * GIB - 20 * MIB * min(s, 1200) + rng.uniform(-0.2, 0.2) * GIB
+        node.free_contiguous = node.mem_available - 8 * GIB
+
+    header = {"outcome": "benign", "node": "spark-leak",
+              "description": "A slow leak that stops above the floor: 60 GiB to 36.6 GiB over 20 minutes, then flat."}
+    return timeline(header, Node(120 * GIB, 60 * GIB, 52 * GIB), 1500, step, seed=7)
+
+
+def nv_err_at_rest() -> Iterator[dict]:
+    """A healthy node logging NV_ERR_NO_MEMORY lines at rest (55 in two days on one host: vLLM #56824)."""
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        node.mem_available = 100 * GIB + rng.uniform(-0.3, 0.3) * GIB
+        node.free_contiguous = 90 * GIB
+        if s in (120, 121, 400, 760, 1100):
+            node.nv_err += 2
+            node.nv_err_last_seen = START + s
+
+    header = {"outcome": "benign", "node": "spark-rest",
+              "description": "NV_ERR_NO_MEMORY lines at rest on a healthy node, 100 GiB of headroom throughout."}
+    return timeline(header, Node(120 * GIB, 100 * GIB, 90 * GIB), 1200, step, seed=8)
+
+
+def no_nvidia_driver() -> Iterator[dict]:
+    """A node without an NVIDIA driver: the nvml collector reports NVML unavailable for 20 minutes."""
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        node.mem_available = 20 * GIB + rng.uniform(-0.5, 0.5) * GIB
+        node.free_contiguous = 12 * GIB
+
+    header = {"outcome": "benign", "node": "cpu-box",
+              "description": "No NVIDIA driver: NVML cannot load; everything else healthy for 20 minutes."}
+    return timeline(header, Node(24 * GIB, 20 * GIB, 12 * GIB, nvml=False), 1200, step, seed=9)
+
+
+TIMELINES: dict[str, Callable[[], Iterator[dict]]] = {
+    "collapse-29-to-2.5-gib-in-9s": collapse,
+    "slow-leak-to-failure": slow_leak_to_failure,
+    "fragmentation-with-free-memory": fragmentation_with_free_memory,
+    "page-cache-churn": page_cache_churn,
+    "model-weights-in-page-cache": model_weights_in_page_cache,
+    "large-flat-allocation": large_flat_allocation,
+    "slow-leak-above-floor": slow_leak_above_floor,
+    "nv-err-at-rest": nv_err_at_rest,
+    "no-nvidia-driver": no_nvidia_driver,
+}
+
+
+def render(name: str) -> bytes:
+    """The timeline gzip-compressed with a fixed mtime, so the same code writes the same bytes."""
+    text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in TIMELINES[name]())
+    return gzip.compress(text.encode(), mtime=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="write the synthetic alert corpus")
+    parser.add_argument("--out", type=Path, default=CORPUS)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in TIMELINES:
+        (args.out / f"{name}.jsonl.gz").write_bytes(render(name))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""`memtel alerts score`: the shipped rules against the shipped corpus (CI fails when a rule pages on a benign
+timeline or misses a failure it is expected to catch), a flight recorder export made here, bad corpus files,
+and the protect action agreeing with MemtelUnifiedHeadroomFalling on every timeline."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import re
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+import yaml
+
+from telemetry.alerts.cli import default_rules
+from telemetry.alerts.score import score
+from telemetry.alerts.timeline import load_timeline, timeline_paths
+from telemetry.cli import main
+from telemetry.daemon.protect import Protect, ProtectConfig
+from tests.alerts import make_corpus
+
+CORPUS = make_corpus.CORPUS
+FAILURES = ("collapse-29-to-2.5-gib-in-9s", "slow-leak-to-failure", "fragmentation-with-free-memory")
+BENIGN = ("page-cache-churn", "model-weights-in-page-cache", "large-flat-allocation", "slow-leak-above-floor",
+          "nv-err-at-rest", "no-nvidia-driver")
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as exit_:
+            code = int(exit_.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+# -- fast: the corpus files and bad input -------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(make_corpus.TIMELINES))
+def test_the_shipped_corpus_is_what_the_generator_writes(name):
+    assert (CORPUS / f"{name}.jsonl.gz").read_bytes() == make_corpus.render(name), \
+        "regenerate with: .venv/bin/python -m tests.alerts.make_corpus"
+
+
+def test_the_corpus_has_the_shapes_issue_20_asks_for():
+    names = {load_timeline(p).name: load_timeline(p).outcome.kind for p in timeline_paths(CORPUS)}
+    assert {n for n, kind in names.items() if kind == "failure"} >= set(FAILURES)
+    assert {n for n, kind in names.items() if kind == "benign"} >= set(BENIGN)
+    churn = load_timeline(CORPUS / "page-cache-churn.jsonl.gz")
+    assert churn.end - churn.start >= 15 * 60
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "no memtel_timeline line"),
+    (b'{"time": 1, "values": {"memtel_node_unified_headroom_bytes": 1}}\n', "no memtel_timeline line"),
+    (b'{"memtel_timeline": {"outcome": "benign"}}\n', "no records"),
+    (b'{"memtel_timeline": {"outcome": "failure"}}\n', "a failure needs failure_at"),
+    (b'{"memtel_timeline": {"outcome": "fine"}}\n', "outcome must be one of benign, failure"),
+    (b'{"memtel_timeline": {"outcome": "benign", "colour": 1}}\n', "unknown key(s) colour"),
+    (b'{"memtel_timeline": {"outcome": "benign", "node": "a b"}}\n', "node must be a host name"),
+    (b'{"memtel_timeline": {"outcome": "benign"}}\n{"time": "x", "values": {}}\n', ":2: time: expected a finite"),
+    (b'{"memtel_timeline": {"outcome": "benign"}}\n{"time": 1, "values": {"a b": 1}}\n', "is not a series name"),
+    (b'{"memtel_timeline": {"outcome": "benign"}}\n[1, 2]\n', ":2: not a JSON object"),
+    (b'{"memtel_timeline": {"outcome": "benign"}}\n{"time": 1,\n', ":2: not a JSON object"),
+    (b"\xff\xfe\x00", "not UTF-8 text"),
+    (b'{"memtel_timeline": {"outcome": "failure", "failure_at": 5, "expect": [{"alert": "A-B"}]}}\n',
+     "is not an alert name"),
+    (b'{"memtel_timeline": {"outcome": "failure", "failure_at": 0}}\n{"time": 10, "values": {}}\n',
+     "is before the first record"),
+])
+def test_a_bad_corpus_file_is_one_line_and_exit_2(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    code, out, err = cli("alerts", "score", str(path))
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_a_missing_corpus_or_bad_rules_is_exit_2(tmp_path):
+    code, _, err = cli("alerts", "score", str(tmp_path / "nowhere"))
+    assert code == 2 and "no such file or directory" in err and err.count("\n") == 1
+    (tmp_path / "empty").mkdir()
+    code, _, err = cli("alerts", "score", str(tmp_path / "empty"))
+    assert code == 2 and "no *.jsonl" in err
+    rules = tmp_path / "rules.yml"
+    rules.write_text("groups:\n  - name: x\n    rules:\n      - alert: A\n        expr: 'up =='\n")
+    code, _, err = cli("alerts", "score", str(CORPUS), "--rules", str(rules))
+    assert code == 2 and "promtool check rules failed" in err and err.count("\n") == 1
+
+
+# -- slow: promtool over the whole corpus ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shipped_score():
+    return score([load_timeline(p) for p in timeline_paths(CORPUS)], default_rules())
+
+
+@pytest.mark.slow
+@pytest.mark.prometheus
+def test_the_shipped_rules_page_on_no_benign_timeline_and_catch_every_failure(shipped_score):
+    assert shipped_score.problems == []
+    pages = {name: s.benign_fired for name, s in shipped_score.alerts.items() if s.severity == "critical"}
+    assert all(fired == [] for fired in pages.values()), pages
+    claims = {(r.timeline, r.alert): r for r in shipped_score.expectations}
+    assert {t for t, _ in claims} >= set(FAILURES)
+    assert all(r.ok for r in claims.values()), claims
+    collapse = claims[("collapse-29-to-2.5-gib-in-9s", "MemtelUnifiedHeadroomFalling")]
+    assert collapse.detect_s is not None and collapse.detect_s <= 5
+    # Every failure is caught by some critical alert before it happens.
+    for failure in FAILURES:
+        assert any(failure in dict(s.caught) for s in shipped_score.alerts.values() if s.severity == "critical")
+
+
+def first_protect_decision(timeline) -> float | None:
+    """Seconds from the timeline's start to the protect action's first decision on it (None: none)."""
+    current = [timeline.records[0]]
+    protect = Protect(ProtectConfig(enabled=True, dry_run=True, command=("/bin/true",)),
+                      lambda: (current[0].values["memtel_node_unified_headroom_bytes"],
+                               current[0].values["memtel_node_mem_total_bytes"]),
+                      clock=lambda: current[0].time)
+    for record in timeline.records:
+        current[0] = record
+        if protect.step() is not None:
+            return record.time - timeline.start
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.prometheus
+def test_protect_acts_exactly_where_the_falling_alert_fires(shipped_score):
+    """The one definition, two engines: the daemon's protect code and Prometheus's rule engine."""
+    for evaluation in shipped_score.evaluations:
+        timeline = evaluation.timeline
+        first = first_protect_decision(timeline)
+        fired = evaluation.alerts.get("MemtelUnifiedHeadroomFalling")
+        rule_first = fired.first_fired_s if fired else None
+        assert (first is None) == (rule_first is None), (timeline.name, first, rule_first)
+        if first is not None:
+            assert abs(first - rule_first) <= 1, (timeline.name, first, rule_first)
+
+
+@pytest.mark.slow
+@pytest.mark.prometheus
+def test_rules_on_the_old_headroom_page_on_the_page_cache(tmp_path):
+    """Teeth: the low alert on the headroom's old definition pages on the healthy churning page cache."""
+    rules = default_rules()
+    alerts = yaml.safe_load(rules[1].read_text())
+    for group in alerts["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "MemtelUnifiedHeadroomLow":
+                rule["expr"] = rule["expr"].replace("memtel_node_unified_headroom_bytes",
+                                                    "memtel_node_unified_headroom_without_reclaim_bytes")
+    naive = tmp_path / "memtel-alerts.yml"
+    naive.write_text(yaml.safe_dump(alerts, sort_keys=False))
+    result = score([load_timeline(CORPUS / "page-cache-churn.jsonl.gz")], [rules[0], naive])
+    assert any(p.startswith("MemtelUnifiedHeadroomLow (critical) pages on benign timeline page-cache-churn")
+               for p in result.problems), result.problems
+
+
+@pytest.mark.slow
+@pytest.mark.prometheus
+def test_score_a_flight_recorder_export_made_here(tmp_path):
+    """The collapse written into a real flight ring, exported with `memtel flight show --json`, one outcome line
+    added: the score finds MemtelUnifiedHeadroomFalling within 5 s of the onset."""
+    from telemetry.flight.recorder import FlightRecorder
+
+    collapse = load_timeline(CORPUS / "collapse-29-to-2.5-gib-in-9s.jsonl.gz")
+    recorder = FlightRecorder(tmp_path / "state" / "flight", "score-test-boot", duration_seconds=300,
+                              interval_seconds=1)
+    recorder.prepare()
+    for record in collapse.records:
+        assert recorder.record(record.values, record.time)
+    code, export, err = cli("flight", "show", "--state-dir", str(tmp_path / "state"), "--json")
+    assert code == 0, err
+    lines = export.splitlines()
+    assert len(lines) == len(collapse.records)
+    header = {"memtel_timeline": {"outcome": "failure", "failure_at": collapse.outcome.failure_at,
+                                  "onset_at": collapse.outcome.onset_at, "node": "exported",
+                                  "expect": [{"alert": "MemtelUnifiedHeadroomFalling", "within_s": 5}]}}
+    incident = tmp_path / "incident.jsonl.gz"
+    incident.write_bytes(gzip.compress(("\n".join([json.dumps(header), *lines]) + "\n").encode()))
+    code, out, err = cli("alerts", "score", str(incident), "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    (claim,) = result["expectations"]
+    assert claim["ok"] and claim["detect_s"] <= 5 and result["problems"] == []
+    code, text, _ = cli("alerts", "score", str(incident))
+    assert code == 0 and re.search(r"MemtelUnifiedHeadroomFalling fired \d s after the onset", text)
+
+
+@pytest.mark.slow
+@pytest.mark.prometheus
+def test_burn_in_records_this_machine_and_scores_it(tmp_path):
+    """The short version of the live burn-in (docs/alerts.md): 30 s of this machine through the real daemon
+    and its flight recorder, scored as a benign timeline; the timeline is kept and loads as one."""
+    out = tmp_path / "burn-in.jsonl"
+    code, text, err = cli("alerts", "burn-in", "--minutes", "0.5", "--listen", "127.0.0.1:0", "--out", str(out),
+                          "--json")
+    result = json.loads(text)
+    assert code in (0, 1) and "recording this machine for 0.5 min" in err
+    (timeline,) = result["timelines"]
+    assert timeline["outcome"] == "benign" and timeline["records"] >= 20
+    assert code == (1 if result["problems"] else 0)
+    assert all("pages on benign timeline burn-in" in p for p in result["problems"])
+    kept = load_timeline(out)
+    assert len(kept.records) == timeline["records"]
+    assert "memtel_node_unified_headroom_bytes" in kept.records[-1].values
+
+
+def test_burn_in_refuses_bad_minutes():
+    code, out, err = cli("alerts", "burn-in", "--minutes", "0")
+    assert code == 2 and out == "" and "--minutes 0: expected 0.5 to 1440" in err and err.count("\n") == 1

@@ -1,0 +1,61 @@
+"""Reading the ranks' fits from a hook's exposition text, and the limit they set."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from telemetry.errors import ConfigError
+from telemetry.guard.limit import HookTarget, LimitTracker, RankFit, parse_fits
+from tests.guard.servers import exposition
+
+
+def test_parse_fits_reads_each_rank_and_its_forecasts():
+    text = exposition(1234, rank="0", node="a", budget=2e9, forecast_time=100.0, growth={2000: 3e9, 1000: 1e9}) + \
+        exposition(99, rank="1", node="b").split("\n", 3)[3]
+    fits = sorted(parse_fits(text), key=lambda f: f.rank)
+    assert [(f.rank, f.node, f.max_prefill_tokens) for f in fits] == [("0", "a", 1234), ("1", "b", 99)]
+    assert fits[0].budget_bytes == 2e9 and fits[0].forecast_time == 100.0
+    assert fits[0].growth_bytes == ((1000, 1e9), (2000, 3e9))
+    assert fits[0].forecast_for(1500) == (2000, 3e9) and fits[0].forecast_for(2001) is None
+
+
+def test_a_hook_without_the_gauge_has_no_fit():
+    assert parse_fits('memtel_hook_calls_total{site="x",rank="0",node="a"} 3\n') == []
+    assert parse_fits('memtel_forecast_max_prefill_tokens{rank="0",node="a"} NaN\n') == []
+
+
+def test_reserve_scales_the_rank_limit_by_the_budget_left():
+    fit = RankFit("0", "a", 100_000, 4 << 30, None)
+    assert fit.tokens(0) == 100_000
+    assert fit.tokens(1 << 30) == 75_000
+    assert fit.tokens(8 << 30) == 0
+    assert RankFit("0", "a", 500, None, None).tokens(1 << 30) == 500  # no budget exported: nothing to scale
+
+
+def test_the_limit_is_the_smallest_fresh_rank_less_the_tokens_in_prefill():
+    tracker = LimitTracker([HookTarget.parse("http://127.0.0.1:1"), HookTarget.parse("http://127.0.0.1:2")],
+                           stale_s=5)
+    assert tracker.limit() is None and tracker.blind
+    tracker.record(tracker.hooks[0], [RankFit("0", "a", 900, None, time.time())], None)
+    tracker.record(tracker.hooks[1], [RankFit("1", "b", 700, None, time.time()),
+                                      RankFit("2", "b", 50, None, time.time() - 60)], None)  # stale: not used
+    tracker.hold(200)
+    limit = tracker.limit()
+    assert limit is not None and (limit.tokens, limit.rank_tokens, limit.fit.rank) == (500, 700, "1")
+    tracker.release(200)
+    assert tracker.limit().tokens == 700 and not tracker.blind and tracker.blind_episodes == 1
+
+
+@pytest.mark.parametrize("text", ["ftp://h:1", "http://", "not a url", "http://h:99999"])
+def test_hook_urls_that_are_not_http(text):
+    with pytest.raises(ConfigError, match="--hooks"):
+        HookTarget.parse(text)
+
+
+def test_hook_url_defaults_and_credentials():
+    target = HookTarget.parse("http://user:pw@127.0.0.1:9200")
+    assert (target.url, target.path, target.authorization) == ("http://127.0.0.1:9200/metrics", "/metrics",
+                                                              "Basic dXNlcjpwdw==")
+    assert "pw" not in target.url

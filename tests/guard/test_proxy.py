@@ -1,0 +1,337 @@
+"""The guard in front of a real loopback upstream, reading a real loopback hook exporter."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+
+from telemetry.guard.proxy import GuardLimits
+from tests.guard.servers import RunningGuard, StubHook, StubUpstream, exposition, request
+
+LIMIT = 1000
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    server = StubUpstream()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def hook():
+    server = StubHook(lambda: exposition(LIMIT, node="node-a", rank="1", budget=4e9, growth={4000: 6.5e9}))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def guard(upstream, hook):
+    running = RunningGuard(upstream.url, [hook.url], limits=GuardLimits(max_body_bytes=1 << 20))
+    running.wait_for(lambda: running.tracker.published is not None)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def _clean(upstream, hook):
+    upstream.seen.clear()
+    upstream.tokens_per_word = 1
+    upstream.gate = upstream.hold = None
+    hook.down = False
+    yield
+    if upstream.gate is not None:
+        upstream.gate.set()
+    if upstream.hold is not None:
+        upstream.hold.set()
+
+
+def test_a_prompt_within_the_byte_bound_is_forwarded_unchanged_without_tokenize(guard, upstream):
+    body = {"model": "stub", "prompt": "word " * 100, "max_tokens": 4}
+    direct = request(upstream.url, "POST", "/v1/completions", body)
+    upstream.seen.clear()
+    status, headers, data = request(guard.url, "POST", "/v1/completions", body)
+    assert status == 200 and data == direct[2]
+    assert headers["x-upstream"] == "stub"
+    assert upstream.seen == [("POST", "/v1/completions", json.dumps(body).encode())]
+    assert guard.sample("memtel_guard_admitted_total", {"path": "/v1/completions", "counted_by": "byte_bound"}) >= 1
+
+
+def test_a_prompt_over_the_byte_bound_is_counted_by_the_upstream_and_forwarded_when_it_fits(guard, upstream):
+    body = {"prompt": "longerword " * 200, "max_tokens": 4}  # 2,200 bytes > 1,000, 200 tokens
+    status, _, _ = request(guard.url, "POST", "/v1/completions", body)
+    assert status == 200
+    assert upstream.paths() == ["/tokenize", "/v1/completions"]
+    assert json.loads(upstream.seen[0][2]) == {"prompt": body["prompt"]}
+
+
+def test_a_prompt_with_more_words_than_the_limit_is_refused_at_once_and_never_forwarded(guard, upstream):
+    started = time.perf_counter()
+    status, headers, data = request(guard.url, "POST", "/v1/completions", {"prompt": "w " * 5000})
+    elapsed = time.perf_counter() - started
+    assert status == 503 and elapsed < 0.5
+    assert upstream.seen == []  # not even /tokenize
+    assert headers["retry-after"] == "10"
+    error = json.loads(data)["error"]
+    assert error["type"] == "memtel_would_not_fit" and error["code"] == 503
+    assert error["reason"] == "would_not_fit"
+    assert (error["prompt_tokens"], error["prompt_tokens_counted_by"]) == (5000, "words")
+    assert (error["limit_tokens"], error["max_prefill_tokens"], error["in_prefill_tokens"]) == (LIMIT, LIMIT, 0)
+    assert (error["node"], error["rank"]) == ("node-a", "1")
+    assert error["fit_budget_bytes"] == 4_000_000_000
+    assert (error["forecast_tokens"], error["forecast_bytes"]) == (None, None)  # the hook forecasts 4,000 only
+    assert "at least 5,000 tokens" in error["message"] and "\n" not in error["message"]
+
+
+def test_a_prompt_the_upstream_counts_over_the_limit_is_refused_with_the_hooks_forecast(guard, upstream):
+    upstream.tokens_per_word = 6
+    status, _, data = request(guard.url, "POST", "/v1/completions", {"prompt": "token " * 600})
+    assert status == 503
+    assert upstream.paths() == ["/tokenize"]
+    error = json.loads(data)["error"]
+    assert (error["prompt_tokens"], error["prompt_tokens_counted_by"]) == (3600, "tokenize")
+    assert (error["forecast_tokens"], error["forecast_bytes"]) == (4000, 6_500_000_000)
+
+
+def test_token_ids_are_counted_exactly(guard, upstream):
+    assert request(guard.url, "POST", "/v1/completions", {"prompt": [1] * LIMIT})[0] == 200
+    status, _, data = request(guard.url, "POST", "/v1/completions", {"prompt": [1] * (LIMIT + 1)})
+    assert status == 503 and json.loads(data)["error"]["prompt_tokens_counted_by"] == "token_ids"
+    assert upstream.paths() == ["/v1/completions"]
+
+
+def test_chat_is_counted_by_the_upstream_with_the_template_allowance(guard, upstream):
+    # 20 bytes of content is far below 1,000 tokens, but the template allowance (2,048) is not.
+    body = {"messages": [{"role": "user", "content": "hello there, stub"}], "max_tokens": 2}
+    assert request(guard.url, "POST", "/v1/chat/completions", body)[0] == 200
+    assert upstream.paths() == ["/tokenize", "/v1/chat/completions"]
+    tokenize = json.loads(upstream.seen[0][2])
+    assert tokenize["messages"] == body["messages"] and tokenize["add_generation_prompt"] is True
+
+
+def test_a_stream_reaches_the_client_chunk_by_chunk_and_byte_for_byte(guard, upstream):
+    body = {"prompt": "word " * 10, "stream": True}
+    direct = request(upstream.url, "POST", "/v1/completions", body)[2]
+    upstream.gate = threading.Event()
+    conn = http.client.HTTPConnection("127.0.0.1", guard.port, timeout=10)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+        first = response.read1(65536)  # arrives while the upstream still holds the rest back
+        assert first.startswith(b"data: ") and b"alpha" in first and b"[DONE]" not in first
+        upstream.gate.set()
+        rest = response.read()
+    finally:
+        conn.close()
+    assert first + rest == direct
+
+
+def test_other_paths_pass_through_and_upstream_errors_come_back_unchanged(guard, upstream):
+    for method, path, body in (("GET", "/v1/models", None), ("GET", "/health", None),
+                               ("POST", "/tokenize", {"prompt": "a b c"}),
+                               ("POST", "/v1/completions", {"prompt": "x", "temperature": -1})):
+        direct = request(upstream.url, method, path, body)
+        via = request(guard.url, method, path, body)
+        assert (via[0], via[2]) == (direct[0], direct[2]), path
+        assert via[1].get("content-type") == direct[1].get("content-type")
+
+
+@pytest.mark.parametrize(("path", "raw", "status", "words"), [
+    ("/v1/completions", b'{"prompt": "abc"', 400, "malformed JSON"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "not UTF-8"),
+    ("/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("/v1/completions", b'{"max_tokens": 3}', 400, "`prompt` is missing"),
+    ("/v1/chat/completions", b'{"prompt": "hello"}', 400, "`messages` is missing"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 7}]}', 400, "content must be"),
+    ("/v1/completions", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 413, "larger than the guard's limit"),
+    ("/v1/embeddings", b'{"input": "hello"}', 404, "is not forwarded"),
+    ("/generate", b'{"text": "hello"}', 404, "is not forwarded"),
+])
+def test_bad_input_is_answered_here_in_one_line_and_not_forwarded(guard, upstream, path, raw, status, words):
+    got, _, data = request(guard.url, "POST", path, raw=raw)
+    assert got == status
+    message = json.loads(data)["error"]["message"]
+    assert words in message and "\n" not in message
+    assert upstream.seen == []
+
+
+def test_a_get_on_a_completion_path_is_refused(guard, upstream):
+    status, _, _ = request(guard.url, "GET", "/v1/completions")
+    assert status == 405 and upstream.seen == []
+
+
+def test_a_malformed_request_head_is_a_400(guard, upstream):
+    with socket.create_connection(("127.0.0.1", guard.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nBad Header\r\n\r\n")
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 400 ") and upstream.seen == []
+
+
+def test_an_admitted_prefill_holds_its_tokens_until_the_upstream_answers(guard, upstream):
+    upstream.hold = threading.Event()
+    first: list = []
+    body = {"prompt": [7] * 600}  # 600 tokens: fits alone (1,000), not twice
+    thread = threading.Thread(target=lambda: first.append(request(guard.url, "POST", "/v1/completions", body)))
+    thread.start()
+    try:
+        guard.wait_for(lambda: guard.tracker.in_prefill_tokens == 600)
+        status, headers, data = request(guard.url, "POST", "/v1/completions", body)
+        error = json.loads(data)["error"]
+        assert status == 503 and headers["retry-after"] == "1"
+        assert (error["reason"], error["in_prefill_tokens"], error["limit_tokens"]) == ("in_prefill", 600, 400)
+    finally:
+        upstream.hold.set()
+        thread.join(10)
+    assert first[0][0] == 200
+    guard.wait_for(lambda: guard.tracker.in_prefill_tokens == 0)
+    assert request(guard.url, "POST", "/v1/completions", body)[0] == 200
+
+
+def test_keep_alive_connections_serve_many_requests(guard, upstream):
+    conn = http.client.HTTPConnection("127.0.0.1", guard.port, timeout=10)
+    try:
+        for _ in range(3):
+            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "hi"}))
+            response = conn.getresponse()
+            assert response.status == 200 and response.read()
+            conn.request("POST", "/v1/completions", body=b"{")
+            response = conn.getresponse()
+            assert response.status == 400 and response.read()
+    finally:
+        conn.close()
+
+
+def test_an_upstream_that_is_down_is_a_502(hook):
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    running = RunningGuard(f"http://127.0.0.1:{port}", [hook.url])
+    try:
+        status, _, data = request(running.url, "POST", "/v1/completions", {"prompt": "hi"})
+        assert status == 502 and json.loads(data)["error"]["type"] == "memtel_upstream_unavailable"
+        assert running.sample("memtel_guard_upstream_failures_total", {"stage": "connect"}) == 1
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("when_blind", ["admit", "reject"])
+def test_blind_mode_then_the_limit_again(upstream, when_blind, caplog):
+    hook = StubHook(lambda: exposition(LIMIT))
+    # stale after 1 s: a busy 2-core machine can pause one poll for a few tenths of a second
+    running = RunningGuard(upstream.url, [hook.url], when_blind=when_blind, stale_s=1.0, poll_s=0.05)
+    small, big = {"prompt": "w " * 10}, {"prompt": "w " * 5000}
+    try:
+        running.wait_for(lambda: running.tracker.published is not None)
+        assert request(running.url, "POST", "/v1/completions", big)[0] == 503
+        with caplog.at_level(logging.WARNING, logger="memtel.guard"):
+            hook.down = True
+            running.wait_for(lambda: running.tracker.blind)
+            time.sleep(0.2)  # several scrapes inside one episode: still one log line
+            upstream.seen.clear()
+            status, headers, data = request(running.url, "POST", "/v1/completions", big)
+            if when_blind == "admit":
+                assert status == 200 and upstream.paths() == ["/v1/completions"]
+            else:
+                error = json.loads(data)["error"]
+                assert status == 503 and error["type"] == "memtel_guard_blind" and headers["retry-after"] == "5"
+                assert upstream.seen == [] and hook.url in error["hooks"][0]
+            assert running.sample("memtel_guard_blind") == 1
+            assert running.sample("memtel_guard_blind_decisions_total", {"decision": when_blind}) == 1
+            # /health: passed through when admitting, 503 when refusing everything
+            assert request(running.url, "GET", "/health")[0] == (200 if when_blind == "admit" else 503)
+            hook.down = False
+            running.wait_for(lambda: not running.tracker.blind)
+        blind_lines = [r for r in caplog.records if "is blind" in r.getMessage()]
+        assert len(blind_lines) == 1 and "503" in blind_lines[0].getMessage()
+        assert running.sample("memtel_guard_blind_episodes_total") == 1
+        assert running.sample("memtel_guard_blind_seconds_total") > 0.1
+        assert running.sample("memtel_guard_limit_tokens") == LIMIT
+        assert request(running.url, "POST", "/v1/completions", big)[0] == 503
+        assert request(running.url, "POST", "/v1/completions", small)[0] == 200
+        assert request(running.url, "GET", "/health")[0] == 200
+    finally:
+        running.stop()
+        hook.stop()
+
+
+def test_a_stale_forecast_is_not_used(upstream):
+    hook = StubHook(lambda: exposition(LIMIT, forecast_time=time.time() - 60))
+    running = RunningGuard(upstream.url, [hook.url], stale_s=5.0)
+    try:
+        running.wait_for(lambda: hook.scrapes >= 2 and running.tracker.blind is True)
+        assert running.sample("memtel_guard_fresh_ranks") == 0
+    finally:
+        running.stop()
+        hook.stop()
+
+
+def test_the_smallest_fresh_rank_sets_the_limit(upstream):
+    hooks = [StubHook(lambda: exposition(5000, rank="0", node="spark-1")),
+             StubHook(lambda: exposition(700, rank="1", node="spark-2"))]
+    running = RunningGuard(upstream.url, [h.url for h in hooks])
+    try:
+        running.wait_for(lambda: running.tracker.published_fresh == 2)
+        status, _, data = request(running.url, "POST", "/v1/completions", {"prompt": "w " * 800})
+        error = json.loads(data)["error"]
+        assert status == 503 and (error["node"], error["rank"], error["limit_tokens"]) == ("spark-2", "1", 700)
+        assert running.sample("memtel_guard_max_prefill_tokens", {"node": "spark-2", "rank": "1"}) == 700
+        hooks[1].down = True  # one rank of two unseen: the other one's limit, not blind
+        running.wait_for(lambda: running.tracker.published_fresh == 1, timeout=6)
+        assert running.sample("memtel_guard_limit_tokens") == 5000
+    finally:
+        running.stop()
+        for h in hooks:
+            h.stop()
+
+
+def test_a_head_over_16_kib_is_a_431_and_not_forwarded(guard, upstream):
+    with socket.create_connection(("127.0.0.1", guard.port), timeout=5) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 431 ") and upstream.seen == []
+
+
+def test_a_client_that_does_not_read_holds_the_upstream_back(guard, upstream):
+    """Backpressure: the guard reads the upstream's stream only as fast as the client takes it."""
+    upstream.streamed_bytes = 0
+    total = 512 * 65536  # 32 MiB
+    conn = http.client.HTTPConnection("127.0.0.1", guard.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "hi", "stream": True, "big_chunks": 512}))
+        response = conn.getresponse()
+        assert response.status == 200
+        # The client reads nothing: the upstream writes until the buffers on the way are full, then stalls.
+        deadline, before = time.monotonic() + 10, -1
+        while upstream.streamed_bytes != before and time.monotonic() < deadline:
+            before = upstream.streamed_bytes
+            time.sleep(0.25)
+        assert before == upstream.streamed_bytes < total / 2, (before, upstream.streamed_bytes)
+        received = len(response.read())
+    finally:
+        conn.close()
+    assert received == total and upstream.streamed_bytes == total
+
+
+def test_a_kept_alive_upstream_connection_the_upstream_closed_is_retried_once(guard, upstream):
+    assert request(guard.url, "POST", "/v1/completions", {"prompt": "one"})[0] == 200
+    upstream.close_connections()  # the guard still holds that connection in its pool
+    assert request(guard.url, "POST", "/v1/completions", {"prompt": "two"})[0] == 200
+    assert [json.loads(body)["prompt"] for _m, _p, body in upstream.seen] == ["one", "two"]
+
+
+def test_a_body_over_the_inline_size_is_parsed_off_the_loop_with_the_same_answer(guard, upstream, monkeypatch):
+    import telemetry.guard.proxy as proxy
+
+    monkeypatch.setattr(proxy, "INLINE_PARSE_BYTES", 1000)
+    status, _, data = request(guard.url, "POST", "/v1/completions", {"prompt": "w " * 5000})
+    assert status == 503 and json.loads(data)["error"]["prompt_tokens"] == 5000
+    assert request(guard.url, "POST", "/v1/completions", raw=b'{"prompt": "' + b"a" * 2000)[0] == 400
+    assert request(guard.url, "POST", "/v1/completions", {"prompt": "word " * 300})[0] == 200  # via /tokenize

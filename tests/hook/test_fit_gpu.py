@@ -1,0 +1,42 @@
+"""The longest prefill that fits, on a real GPU under a memory cap (marker gpu: run on the device machine).
+
+tests/hook/fit_process.py under `per_process_memory_fraction` (about 1.1 GiB of the device), with the defaults
+and with expandable segments: the gauge is read, a prefill of exactly that many tokens runs without running
+out of memory, and a prefill a chunk longer than the gauge read again afterwards is forecast not to fit and
+really runs out of memory. Figures: BENCHMARKS.md, "Longest prefill that fits".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+CAP_BYTES = int(1.1 * (1 << 30))
+
+
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"])
+def test_the_gauge_fits_and_a_chunk_more_runs_out_of_memory(alloc_conf):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    total = torch.cuda.mem_get_info(0)[1]
+    conf = ",".join(p for p in (alloc_conf, f"per_process_memory_fraction:{round(CAP_BYTES / total, 6)}") if p)
+    done = subprocess.run([sys.executable, "-m", "tests.hook.fit_process"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf,
+                                                      "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(out))
+    first, second = out["first"], out["second"]
+    assert 8192 < first["gauge"] < 204_800, first   # the cap cuts the range: the check means something
+    assert not first["forecast"]["out_of_memory"] and not first["out_of_memory"], first
+    assert first["peak_reserved"] == first["forecast"]["peak_reserved"], first
+    assert second["forecast"]["out_of_memory"], second      # the forecast says a chunk more does not fit
+    assert second["out_of_memory"], second                  # and it does not

@@ -1,0 +1,204 @@
+"""The live forecast's longest prefill that fits: its budget, its search in the helper process, its failures.
+
+On the simulator source (as the lab server's ranks): the exported `memtel_forecast_max_prefill_tokens` equals
+the search run directly on the same state with the same limit; the budget is the node's headroom less the
+reserve, shared by the node's ranks, plus what the allocator holds free; no budget, a budget that cannot be
+read and a helper that dies are each said and counted, and the forecasts stay. And issue 19 item 9: where the
+forecast cannot run (a CUDA reader without a CUDA device), it says once why it is off and counts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from telemetry.errors import ConfigError
+from telemetry.hook import allocator, set_allocator_source
+from telemetry.hook.forecast import set_forecast_workload
+from telemetry.hook.forecast.budget import (
+    DISCRETE,
+    UNIFIED,
+    discrete_budget,
+    node_headroom,
+    reserve_bytes,
+    set_forecast_budget,
+    sharing_ranks,
+    unified_budget,
+)
+from telemetry.hook.forecast.helper import ForecastHelper
+from telemetry.hook.forecast.runner import BUDGET, SIMULATION, UNAVAILABLE, Forecaster
+from telemetry.model.allocsim.snapshot import read_allocator_state
+from telemetry.model.indexer.backends import SimBackend
+from telemetry.model.indexer.fit import max_prefill_tokens
+from telemetry.model.indexer.prefill import run_prefill
+from telemetry.model.indexer.shape import MIB, IndexerShape
+from telemetry.procfs.buddyinfo import CONTIGUOUS_BLOCK_BYTES, free_bytes_in_blocks_of_at_least, parse_buddyinfo
+from telemetry.procfs.meminfo import parse_meminfo
+
+PROC = Path(__file__).resolve().parents[1] / "fixtures" / "proc"
+SHAPE = IndexerShape(layers=4, chunk=1024, compress_ratio=4, max_model_len=65536, logits_budget_bytes=64 * MIB)
+GIB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    set_forecast_workload(None)
+    set_forecast_budget(None)
+    set_allocator_source(None)
+
+
+def sim_rank(warm_tokens: int = 3000) -> SimBackend:
+    """A simulated rank that served one prefill and holds one live tensor, behind the hook's allocator source."""
+    backend = SimBackend("")
+    run_prefill(backend, SHAPE, "stock", warm_tokens)
+    backend.alloc(3 * MIB)
+    set_allocator_source(backend.counters, snapshot=backend.snapshot)
+    set_forecast_workload(SHAPE)
+    return backend
+
+
+def forecaster(environ: dict[str, str] | None = None, **kwargs) -> Forecaster:
+    return Forecaster((4096,), 5.0, environ=environ or {}, **kwargs)
+
+
+# ---- the budget --------------------------------------------------------------------------------------------
+
+
+def test_unified_memory_is_shared_equally_by_the_nodes_ranks_plus_what_each_holds_free():
+    one = unified_budget(10 * GIB, allocated=1 * GIB, reserved=3 * GIB, reserve=2 * GIB, ranks=1)
+    two = unified_budget(10 * GIB, allocated=1 * GIB, reserved=3 * GIB, reserve=2 * GIB, ranks=2)
+    assert (one.budget_bytes, one.memory) == (8 * GIB + 2 * GIB, UNIFIED)
+    assert two.budget_bytes == 4 * GIB + 2 * GIB and two.limit_bytes == 1 * GIB + two.budget_bytes
+    assert "shared by 2 ranks" in two.detail
+    # Below the reserve nothing is left to share, but a rank may still reuse what it holds free.
+    assert unified_budget(GIB, allocated=0, reserved=MIB, reserve=2 * GIB, ranks=2).budget_bytes == MIB
+
+
+def test_a_discrete_gpu_gives_its_free_memory_plus_what_the_allocator_holds_free():
+    budget = discrete_budget(5 * GIB, allocated=2 * GIB, reserved=2 * GIB + 7 * MIB, total_memory=80 * GIB)
+    assert (budget.budget_bytes, budget.limit_bytes, budget.memory) == (5 * GIB + 7 * MIB, 7 * GIB + 7 * MIB,
+                                                                        DISCRETE)
+
+
+def test_the_reserve_and_the_ranks_are_read_from_the_environment_or_refused_in_one_line():
+    assert reserve_bytes({}) == 2048 * MIB and reserve_bytes({"MEMTEL_GUARD_RESERVE_MB": " 512 "}) == 512 * MIB
+    assert reserve_bytes({}, default_mib=0) == 0 and sharing_ranks({}) == 1
+    assert sharing_ranks({"LOCAL_WORLD_SIZE": "4"}) == 4
+    for bad in ("2G", "-1", "1.5", "９"):
+        with pytest.raises(ConfigError, match=r"MEMTEL_GUARD_RESERVE_MB=.*expected MiB"):
+            reserve_bytes({"MEMTEL_GUARD_RESERVE_MB": bad})
+    for bad in ("0", "two", "100000"):
+        with pytest.raises(ConfigError, match=r"LOCAL_WORLD_SIZE=.*expected the number of ranks"):
+            sharing_ranks({"LOCAL_WORLD_SIZE": bad})
+
+
+def test_the_node_headroom_is_the_daemons_min_of_memavailable_and_contiguous_free_memory():
+    meminfo, buddyinfo = PROC / "meminfo.x86_64-debian12-24g-with-buddyinfo", PROC / "buddyinfo.x86_64-debian12-24g"
+    available = parse_meminfo(meminfo.read_text())["MemAvailable"]
+    contiguous = free_bytes_in_blocks_of_at_least(parse_buddyinfo(buddyinfo.read_text()), CONTIGUOUS_BLOCK_BYTES,
+                                                  4096)
+    assert node_headroom(str(meminfo), str(buddyinfo)) == min(available, contiguous)
+
+
+# ---- the live search -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("helper", [True, False])
+def test_the_exported_answer_is_the_search_on_the_same_state_with_the_shared_budget(helper):
+    backend = sim_rank()
+    set_forecast_budget(lambda: 160 * MIB, reserve_mib=20)
+    live = forecaster({"LOCAL_WORLD_SIZE": "2"}, helper=helper)
+    try:
+        assert live.run_once()
+    finally:
+        live.stop()
+    results = live.results
+    state = read_allocator_state(backend.snapshot())
+    counters = state.counters
+    held_free = counters.reserved_bytes - counters.allocated_bytes
+    assert results.budget.budget_bytes == (160 - 20) * MIB // 2 + held_free
+    expected = max_prefill_tokens(state, SHAPE, limit_bytes=counters.allocated_bytes + results.budget.budget_bytes)
+    assert results.max_fit == expected
+    assert 0 < expected.tokens < SHAPE.max_model_len   # the limit cuts the range: the comparison means something
+    assert results.forecasts and results.forecasts[0].tokens == 4096
+    assert (results.helper_cpu_seconds > 0) == helper
+
+
+def test_a_changed_budget_searches_again_from_the_same_state_and_the_same_one_does_not():
+    sim_rank()
+    room = [100 * MIB]
+    set_forecast_budget(lambda: room[0], reserve_mib=0)
+    live = forecaster()
+    asked = []
+    helper = live._helper
+    real = helper.cycle
+    helper.cycle = lambda request, *a: asked.append(request) or real(request, *a)  # type: ignore[method-assign]
+    try:
+        assert live.run_once() and live.run_once()
+        first = live.results.max_fit
+        assert len(asked) == 1                       # unchanged state, unchanged budget: nothing simulated
+        room[0] = 60 * MIB
+        assert live.run_once()
+        assert len(asked) == 2 and asked[1]["tokens"] == []   # the search alone, the forecasts stand
+        assert live.results.max_fit.tokens < first.tokens
+    finally:
+        live.stop()
+
+
+def test_without_a_budget_the_forecast_runs_and_the_gauge_is_left_out_with_one_line(caplog):
+    sim_rank()
+    live = forecaster()
+    try:
+        with caplog.at_level(logging.INFO, logger="memtel.hook"):
+            assert live.run_once() and live.run_once()
+    finally:
+        live.stop()
+    assert live.results.forecasts and live.results.max_fit is None and live.results.budget is None
+    assert len([r for r in caplog.records if "no fit budget" in r.getMessage()]) == 1
+
+
+def test_a_budget_that_cannot_be_read_is_counted_and_the_forecasts_stay():
+    sim_rank()
+    set_forecast_budget(lambda: 1 // 0)
+    live = forecaster()
+    try:
+        assert live.run_once()
+    finally:
+        live.stop()
+    assert live.results.failures == {BUDGET: 1} and live.results.forecasts and live.results.max_fit is None
+
+
+def test_a_helper_that_dies_is_counted_and_the_next_cycle_starts_another():
+    sim_rank()
+    set_forecast_budget(lambda: 300 * MIB)
+    live = forecaster()
+    live._helper = ForecastHelper(command=[sys.executable, "-c", "pass"])   # exits at once, answers nothing
+    assert not live.run_once()
+    assert live.results.failures == {SIMULATION: 1} and not live.results.forecasts
+    live._helper = ForecastHelper()
+    try:
+        assert live.run_once() and live.results.max_fit is not None
+    finally:
+        live.stop()
+    assert live._helper._process is None   # stop() ended the helper
+
+
+# ---- issue 19 item 9: a forecast that cannot run says so --------------------------------------------------------
+
+
+def test_a_forecast_that_cannot_run_says_once_why_it_is_off_and_counts_it(caplog):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the forecast can run")
+    set_forecast_workload(SHAPE)
+    live = Forecaster((100_000,), 5.0, reader=lambda: allocator.CudaAllocatorReader(), environ={})
+    assert live.describe().startswith("off (no CUDA device in this process")
+    with caplog.at_level(logging.WARNING, logger="memtel.hook"):
+        assert not live.run_once() and not live.run_once()
+    assert live.results.failures == {UNAVAILABLE: 2}
+    lines = [r.getMessage() for r in caplog.records if "live forecast off" in r.getMessage()]
+    assert len(lines) == 1 and "no CUDA device" in lines[0] and "reason='unavailable'" in lines[0]

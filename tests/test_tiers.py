@@ -1,0 +1,72 @@
+"""The test tiers (docs/testing.md): `scripts/test --fast` leaves out exactly the markers tests/conftest.py names,
+each of them is a marker pyproject.toml declares, and a test module that imports a missing optional extra is
+skipped with the extra's name instead of failing collection."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST_TIER_LEAVES_OUT
+from tests.support.extras import EXTRA_OF, missing_extra
+
+ROOT = Path(__file__).resolve().parents[1]
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml on Python 3.10 needs tomli")
+
+
+def test_the_fast_tier_leaves_out_the_markers_conftest_names():
+    script = (ROOT / "scripts" / "test").read_text()
+    (expression,) = re.findall(r'-m "([^"]+)"', script)
+    assert expression == " and ".join(f"not {marker}" for marker in FAST_TIER_LEAVES_OUT)
+    declared = {line.split(":")[0] for line in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                ["tool"]["pytest"]["ini_options"]["markers"]}
+    assert set(FAST_TIER_LEAVES_OUT) <= declared
+    assert "--durations=25" in script  # CI (.ci/run runs scripts/test) prints the 25 slowest tests
+
+
+def test_every_optional_module_belongs_to_an_extra_of_pyproject():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for module, extra in EXTRA_OF.items():
+        assert any(re.match(rf"{module}\b", requirement, re.IGNORECASE) for requirement in extras[extra]), module
+
+
+def test_only_a_missing_module_of_an_extra_becomes_a_skip():
+    absent = ModuleNotFoundError("No module named 'bcrypt'", name="bcrypt")
+    present = ModuleNotFoundError("No module named 'yaml.x'", name="yaml.x")  # core, and installed
+    typo = ModuleNotFoundError("No module named 'telemetry.nope'", name="telemetry.nope")
+    reason = missing_extra(absent)
+    has_bcrypt = subprocess.run([sys.executable, "-c", "import bcrypt"], capture_output=True).returncode == 0
+    assert (reason is None) == has_bcrypt  # installed here: a real import error of it is not hidden
+    if reason is not None:
+        assert "pip install 'memtel[auth]'" in reason
+    assert missing_extra(present) is None and missing_extra(typo) is None
+    assert missing_extra(ImportError("cannot import name 'x'")) is None
+
+
+def test_a_module_needing_a_missing_extra_is_skipped_with_its_reason(tmp_path):
+    (tmp_path / "test_needs_extra.py").write_text("import memtel_no_such_extra_module\n\ndef test_x():\n    pass\n")
+    (tmp_path / "test_broken.py").write_text("import memtel_no_such_core_module\n\ndef test_y():\n    pass\n")
+    conftest = (
+        "import tests.support.extras as extras\n"
+        "extras.EXTRA_OF['memtel_no_such_extra_module'] = 'harness'\n"
+        "from tests.conftest import pytest_pycollect_makemodule  # noqa: F401\n"
+    )
+    (tmp_path / "conftest.py").write_text(conftest)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "-q", "--rootdir",
+                             str(tmp_path), "-c", "/dev/null", str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = result.stdout
+    assert ("test_needs_extra.py: needs 'memtel_no_such_extra_module' from memtel's 'harness' extra, which is not "
+            "installed: pip install 'memtel[harness]'") in out, out
+    assert "ERROR" in out and "memtel_no_such_core_module" in out, out  # an import error of anything else stays one
+    assert result.returncode != 0
