@@ -44,6 +44,57 @@ FORECAST = {"forecast_tokens": (8000, 16000), "forecast_interval_s": 1.0,
             "forecast_shape": "layers=2,chunk=1024,max_model_len=16384,budget_mb=8"}
 
 
+class _Storage:
+    """What the hook's engine reader asks of a tensor's storage: its address and its bytes."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address, self.size = address, nbytes
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def nbytes(self) -> int:
+        return self.size
+
+
+class _Tensor:
+    device = "sim"
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.storage = _Storage(address, nbytes)
+
+    def untyped_storage(self) -> _Storage:
+        return self.storage
+
+
+class _Model:
+    def parameters(self) -> list[_Tensor]:
+        return [_Tensor(1 << 30, 48 << 20), _Tensor(2 << 30, 16 << 20)]     # 64 MiB of "weights"
+
+
+class _Runner:
+    def __init__(self) -> None:
+        self.model = _Model()
+        self.kv_caches: list[_Tensor] = []
+
+
+class Worker:
+    """An engine worker in miniature: its model loads, then its KV cache is allocated (the hook's engine signals,
+    as vLLM's Worker.load_model and Worker.initialize_from_config), so the ledger's series (memtel_engine_*) exist."""
+
+    def __init__(self) -> None:
+        self.model_runner = _Runner()
+
+    def get_model(self) -> _Model:
+        return self.model_runner.model
+
+    def load_model(self) -> None:
+        return None
+
+    def initialize_from_config(self) -> None:
+        self.model_runner.kv_caches = [_Tensor(4 << 30, 32 << 20)]     # 32 MiB of "KV cache"
+
+
 def logits_chunk(allocator, width: int) -> None:
     """One prefill chunk's logits: allocate [ROWS, width] float32 and free it (the cache keeps it)."""
     allocator.free(allocator.malloc(ROWS * width * FLOAT32))
@@ -87,12 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, start_growing)
     set_allocator_source(allocator_source, snapshot=allocator_snapshot)
     site = f"{__name__}:logits_chunk"
-    options = {"port": args.port, "addr": args.addr, "log_dir": args.log_dir, **FORECAST}
+    options = {"port": args.port, "addr": args.addr, "log_dir": args.log_dir, **FORECAST,
+               "model_loaded": (f"{__name__}:Worker.load_model",),
+               "engine_memory": (f"{__name__}:Worker.initialize_from_config",)}
     handle = telemetry.install([site], **options)
     if site not in handle.installed:
         print(f"hook not installed: installed={handle.installed} failed={handle.failed}", file=sys.stderr)
         return 1
 
+    worker = sys.modules[__name__].Worker()
+    worker.load_model()               # the engine signals, looked up on the class at call time (patched)
+    worker.initialize_from_config()
     parent = os.getppid()
     deadline = time.monotonic() + args.seconds
     width = REST_WIDTH

@@ -53,7 +53,17 @@ REST_LOOKS = 5          # the alerts are read this many times, a second apart
 ALERT_TIMEOUT_S = 30
 WEBHOOK_TIMEOUT_S = 45  # Alertmanager's group_wait (10 s) after Prometheus sends the alert
 SERIES_TIMEOUT_S = 100  # some queries compare with a minute ago (`offset 1m`)
-GPU_ONLY = re.compile(r"\bmemtel_gpu_\w+")
+# GPU series, and the recording rules computed from them (the ledger's GPU lines), exist only with an NVIDIA driver.
+_GPU_SERIES = r"\bmemtel_gpu_\w+"
+_GPU_RULES = [rule["record"] for rule in promql.load_rules()
+              if "record" in rule and re.search(_GPU_SERIES, rule["expr"])]
+GPU_ONLY = re.compile("|".join([_GPU_SERIES, *(re.escape(name) + r"(?![\w:])" for name in _GPU_RULES)]))
+# Series this stack cannot have, with why; their queries are checked against the docs only, as the GPU's.
+NOT_IN_THIS_STACK = {
+    re.compile(r"\bmemtel_guard_\w+"): "the guard's series: no guard in this stack (tests/guard scrapes them live)",
+    re.compile(r"\bmemtel_node_huge_page_fault_success_ratio\b"): (
+        "absent until the kernel made enough huge-page faults in 5 minutes: this stack's /proc captures are static"),
+}
 # Selectors of series remote-written by a Prometheus agent (its `agent` external label); the expression
 # around them is still checked, and listed.
 AGENT_ONLY = re.compile(r'agent!=""')
@@ -321,6 +331,9 @@ def _all_problems(stack: TwoNodeStack) -> tuple[list[str], list[str], int]:
                 problems.append(f"{query.where}: Prometheus rejected {expr!r}: {exc}")
         elif GPU_ONLY.search(expr):
             not_here.append(f"{query.where} (GPU series: no NVIDIA driver here)")
+            problems += _check_documented(query, expr)
+        elif reasons := [why for pattern, why in NOT_IN_THIS_STACK.items() if pattern.search(expr)]:
+            not_here.append(f"{query.where} ({'; '.join(reasons)})")
             problems += _check_documented(query, expr)
         else:
             problems += _check(stack, query, alternatives, is_rule)
