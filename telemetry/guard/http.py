@@ -214,4 +214,17 @@ class BodyRelay:
                 raise ConnectionError("the client went away mid-stream")
 
 __all__ = ["HOP_BY_HOP", "BodyRelay", "HttpError", "Message", "UpstreamClosed", "build_request", "build_response",
-           "content_length", "parse_head", "read_head", "relayed_head"]
+           "content_length", "dechunk", "parse_head", "read_head", "relayed_head"]
+
+
+def dechunk(data: bytes) -> bytes:
+    """A body sent with `Transfer-Encoding: chunked`, whole, without its chunk framing (extensions ignored)."""
+    out = bytearray()
+    while data:
+        line, _, rest = data.partition(b"\r\n")
+        size = int(line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        data = rest[size + 2:]
+    return bytes(out)

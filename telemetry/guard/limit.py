@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import ConfigError
+from telemetry.guard.http import dechunk
 
 log = logging.getLogger("memtel.guard")
 
@@ -255,22 +256,10 @@ async def fetch_metrics(target: HookTarget, timeout_s: float) -> str:
         if not sep or status_line.split(" ")[1:2] != ["200"]:
             raise ValueError(f"answered {status_line[:60]!r}")
         if b"transfer-encoding: chunked" in head.lower():
-            body = _unchunk(body)
+            body = dechunk(body)
         return body.decode("utf-8", "replace")
 
     return await asyncio.wait_for(get(), timeout_s)
-
-
-def _unchunk(body: bytes) -> bytes:
-    out = bytearray()
-    while body:
-        size_line, _, rest = body.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        body = rest[size + 2:]
-    return bytes(out)
 
 
 async def scrape_forever(tracker: LimitTracker, poll_s: float, timeout_s: float) -> None:

@@ -44,6 +44,7 @@ from telemetry.guard.http import (
     build_request,
     build_response,
     content_length,
+    dechunk,
     parse_head,
     read_head,
     relayed_head,
@@ -544,19 +545,7 @@ class _Sink:
         return None
 
     def data(self) -> bytes:
-        return _dechunk(b"".join(self._parts)) if self._chunked else b"".join(self._parts)
-
-
-def _dechunk(data: bytes) -> bytes:
-    out = bytearray()
-    while data:
-        line, _, rest = data.partition(b"\r\n")
-        size = int(line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        data = rest[size + 2:]
-    return bytes(out)
+        return dechunk(b"".join(self._parts)) if self._chunked else b"".join(self._parts)
 
 
 def _measure_all(path: str, raw: bytes) -> PromptSize:

@@ -36,13 +36,12 @@ import json
 import math
 import os
 import pickle
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from telemetry.model.allocsim.snapshot_capture import DRY_WORKLOAD, WORKLOAD, run_workload
+from telemetry.model.allocsim.snapshot_capture import DRY_WORKLOAD, WORKLOAD, run_worker, run_workload
 
 SHAPES: dict[str, dict[str, Any]] = {
     "a": WORKLOAD,
@@ -159,17 +158,7 @@ def worker(out: Path, name: str, shape: str, fraction: float | None, how: str, r
 
 
 def _run(out: Path, args: list[str], config: str, log: list[str]) -> bool:
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=config)
-    env.pop("PYTORCH_ALLOC_CONF", None)
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "telemetry.model.allocsim.gc_capture", "--out", str(out), *args],
-                          env=env, capture_output=True, text=True, check=False)
-    line = f"{'ok' if done.returncode == 0 else 'FAILED'} {args} {config!r} {time.perf_counter() - started:.1f}s"
-    if done.returncode:
-        line += ": " + done.stderr.strip()[-1200:]
-    print(line, flush=True)
-    log.append(line)
-    return done.returncode == 0
+    return run_worker("telemetry.model.allocsim.gc_capture", ["--out", str(out), *args], config, log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -381,19 +381,23 @@ def timing_worker(out: Path, dry_run: bool) -> None:
 # ---- the parent: one process per configuration -------------------------------------------------
 
 
-def _run(args: list[str], config: str, log: list[str]) -> bool:
+def run_worker(module: str, args: list[str], config: str, log: list[str]) -> bool:
+    """`python -m module ARGS` in a fresh process under PYTORCH_CUDA_ALLOC_CONF=`config` (allocator settings are
+    read once per process); one line per run, printed and kept in `log`. True when it exited 0."""
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=config)
     env.pop("PYTORCH_ALLOC_CONF", None)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "telemetry.model.allocsim.snapshot_capture", *args], env=env,
-                          capture_output=True, text=True, check=False)
-    took = time.perf_counter() - started
-    line = f"{'ok' if done.returncode == 0 else 'FAILED'} {args[1:]} {config!r} {took:.1f}s"
+    done = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, check=False)
+    line = f"{'ok' if done.returncode == 0 else 'FAILED'} {args} {config!r} {time.perf_counter() - started:.1f}s"
     if done.returncode:
         line += ": " + done.stderr.strip()[-1500:]
     print(line, flush=True)
     log.append(line)
     return done.returncode == 0
+
+
+def _run(args: list[str], config: str, log: list[str]) -> bool:
+    return run_worker("telemetry.model.allocsim.snapshot_capture", args, config, log)
 
 
 def main(argv: list[str] | None = None) -> int:
