@@ -39,7 +39,7 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 def wait_healthy(url: str, process: subprocess.Popen, *, timeout_s: float, log_path: Path, what: str,
-                 error: Callable[[str], Exception], started: float | None = None, interval_s: float = 0.5) -> float:
+                 error: Callable[[str], Exception], started: float | None = None, interval_s: float = 0.2) -> float:
     """Seconds from `started` (default: now) until `url` answers 200.
 
     Raises `error(message)` when `process` exits first or `timeout_s` passes; the message says which and

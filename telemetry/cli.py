@@ -54,17 +54,26 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _missing_package_line(name: str, exc: ModuleNotFoundError) -> str | None:
+    """The one line for a package of an extra that is not installed (None: the error is memtel's own)."""
+    missing = (exc.name or "").split(".")[0]
+    if missing in ("", "telemetry", "harness"):
+        return None
+    extra = "memtel[harness]" if COMMANDS[name][0].startswith("harness.") else "memtel"
+    return error_line(f"memtel {name}", f"it needs the Python package {missing!r}, which is not installed here: "
+                      f"install it with pip install '{extra}'")
+
+
 def _import_command(name: str, module_name: str) -> Any:
-    """The subcommand's module; a package of an extra that is not installed is one line and exit 2."""
+    """The subcommand's module; a package of an extra that is not installed is one line and exit 2 (also when
+    the command imports it only once it runs: `run_command`)."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        missing = (exc.name or "").split(".")[0]
-        if missing in ("", "telemetry", "harness"):
+        line = _missing_package_line(name, exc)
+        if line is None:
             raise
-        extra = "memtel[harness]" if module_name.startswith("harness.") else "memtel"
-        print(error_line(f"memtel {name}", f"it needs the Python package {missing!r}, which is not installed here: "
-                         f"install it with pip install '{extra}'"), file=sys.stderr)
+        print(line, file=sys.stderr)
         sys.exit(2)
 
 
@@ -112,6 +121,12 @@ def run_command(args: argparse.Namespace) -> int:
     except MemtelError as exc:
         print(error_line(f"memtel {args.command}", str(exc)), file=sys.stderr)
         return exc.exit_code
+    except ModuleNotFoundError as exc:  # a package of an extra, imported where the command first needs it
+        line = _missing_package_line(args.command, exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"memtel {args.command}: interrupted", file=sys.stderr)
         return 130

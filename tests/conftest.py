@@ -13,11 +13,18 @@ Tiers (docs/testing.md): `scripts/test --fast` leaves out the markers in FAST_TI
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.support.extras import missing_extra
+
+if TYPE_CHECKING:   # imported by the fixtures when used: it needs httpx (the harness extra)
+    from tests.support.vllm_shared import SharedServers, SharedVllm
 
 # What `scripts/test --fast` leaves out (its -m expression is built from this in scripts/test).
 FAST_TIER_LEAVES_OUT = ("slow", "vllm", "kmsg", "network")
@@ -26,7 +33,7 @@ FAST_TIER_LEAVES_OUT = ("slow", "vllm", "kmsg", "network")
 class _ModuleOfAnExtra(pytest.Module):
     """A test module whose import of a missing optional extra becomes a skip of the module, with its reason."""
 
-    def _getobj(self):
+    def _getobj(self) -> ModuleType:
         try:
             return super()._getobj()
         except self.CollectError as error:
@@ -48,7 +55,7 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from tests.support.kmsg import SKIP_REASON, opted_in
 
     if not opted_in():
@@ -65,9 +72,52 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def tiny_model():
+def tiny_model() -> Path:
     """A random-weight 2-layer, hidden-128 Llama with a WordLevel tokenizer, made once per machine at a fixed path
     (tests/support/vllm.py: vLLM's compile cache is keyed by the model's path)."""
     from tests.support.vllm import cached_tiny_llama
 
     return cached_tiny_llama()
+
+
+# ---- real vLLM servers shared by the session (tests/support/vllm_shared.py) ------------------------------------
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(request: pytest.FixtureRequest, tiny_model: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServers]:
+    """The session's shared vLLM launches; stopped, process groups and all, when the session ends."""
+    from tests.support.vllm_shared import close_session, open_session
+
+    servers = open_session(request.session.items, tmp_path_factory.mktemp("vllm-shared"), tiny_model)
+    yield servers
+    close_session(servers)
+
+
+@pytest.fixture(scope="session")
+def vllm_counting(vllm_servers: SharedServers) -> SharedVllm:
+    """vLLM's default start with the plugin counting the CPU attention target (tests/support/vllm_shared.py)."""
+    return vllm_servers.get("vllm_counting")
+
+
+@pytest.fixture(scope="session")
+def vllm_indexer(vllm_servers: SharedServers) -> SharedVllm:
+    """vLLM with the plugin hooking only targets a Llama never runs, and the live forecast on."""
+    return vllm_servers.get("vllm_indexer")
+
+
+@pytest.fixture(scope="session")
+def vllm_under_run(vllm_servers: SharedServers) -> SharedVllm:
+    """vLLM under `memtel run`, vLLM's plugins off."""
+    return vllm_servers.get("vllm_under_run")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    """After a test's teardown, stop the shared vLLM launches it was the last user of."""
+    try:
+        return (yield)
+    finally:
+        shared = sys.modules.get("tests.support.vllm_shared")
+        if shared is not None:
+            shared.teardown_done(item.nodeid)

@@ -46,7 +46,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from harness.ab.config import load_ladder
-    from harness.ab.runner import run_ladder
 
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
@@ -54,6 +53,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("--resume needs --out DIR (the run to finish)")
     out = args.out or Path("runs") / f"{args.ladder.stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     ladder = load_ladder(args.ladder)
+    from harness.ab.runner import run_ladder  # after the ladder is read: a bad one fails without loading the runner
+
     try:
         results = run_ladder(ladder, out, resume=args.resume, overwrite=args.overwrite)
     except KeyboardInterrupt:

@@ -88,13 +88,15 @@ def group_members(pgid: int, proc: Path = PROC) -> list[ProcessInfo]:
 
 
 def _group_alive(pgid: int) -> bool:
+    """True while a process of the group runs. Zombies do not count: a member that outlived the leader (such as
+    multiprocessing's resource tracker) is reaped by init, which may take seconds after it has exited."""
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    return bool(group_members(pgid))
 
 
 def stop_group(pgid: int, grace_s: float, leader: subprocess.Popen | None = None,

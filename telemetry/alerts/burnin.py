@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TextIO
 
 from telemetry.alerts.timeline import Outcome, Record, Timeline
 from telemetry.errors import ConfigError, RunError
@@ -37,7 +38,7 @@ def _ring_records(state_dir: Path) -> list[Record]:
 
 
 def burn_in(minutes: float, state_dir: str | None, listen: str, out: str | None,
-            progress=sys.stderr) -> Timeline:
+            progress: TextIO = sys.stderr) -> Timeline:
     if not MIN_MINUTES <= minutes <= MAX_MINUTES:
         raise ConfigError(f"--minutes {minutes:g}: expected {MIN_MINUTES:g} to {MAX_MINUTES:g}")
     if out is not None and not Path(out).parent.is_dir():

@@ -123,12 +123,12 @@ def input_series(timeline: Timeline, wanted: set[str]) -> tuple[list[dict[str, s
     return out, last
 
 
-def _query(number: str, expr: str, at: int) -> dict:
+def _query(number: str, expr: str, at: int) -> dict[str, object]:
     return {"expr": f'label_replace({expr}, "{QUERY_LABEL}", "{number}", "", "")', "eval_time": f"{at}s",
             "exp_samples": [{"labels": SENTINEL, "value": 0}]}
 
 
-def unit_test(timeline: Timeline, rule_files: list[Path], wanted: set[str]) -> tuple[dict, int]:
+def unit_test(timeline: Timeline, rule_files: list[Path], wanted: set[str]) -> tuple[dict[str, object], int]:
     series, last = input_series(timeline, wanted)
     firing = 'ALERTS{alertstate="firing"}'
     window = f"{last + 1}s"
@@ -144,7 +144,7 @@ def unit_test(timeline: Timeline, rule_files: list[Path], wanted: set[str]) -> t
         at = min(last, max(0, math.floor(failure_at - timeline.start)))
         queries.append(_query("q_before", f"min by (alertname) (min_over_time(timestamp({firing})[{at + 1}s:1s]))",
                               at))
-    test = {
+    test: dict[str, object] = {
         "rule_files": [str(p.resolve()) for p in rule_files],
         "evaluation_interval": "1s",
         "tests": [{"name": timeline.name, "interval": "1s",

@@ -140,7 +140,7 @@ def _outcome(data: Any, where: str) -> Outcome:
     return Outcome(kind, failure_at, onset_at, node, description, tuple(expect))
 
 
-def _record(data: dict, where: str) -> Record:
+def _record(data: dict[str, object], where: str) -> Record:
     time = _number(data.get("time"), f"{where}: time")
     values = data.get("values")
     if not isinstance(values, dict) or len(values) > MAX_SERIES_PER_RECORD:

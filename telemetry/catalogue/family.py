@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
-_CLASSES = {GAUGE: GaugeMetricFamily, COUNTER: CounterMetricFamily, HISTOGRAM: HistogramMetricFamily}
+# The families that can hold one unlabelled value (a histogram cannot).
+_VALUED: dict[str, type[GaugeMetricFamily] | type[CounterMetricFamily]] = {
+    GAUGE: GaugeMetricFamily, COUNTER: CounterMetricFamily}
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,15 @@ class Family:
 
     def new(self, value: float | None = None, *, labels: Sequence[str] | None = None) -> Metric:
         """An empty family (fill it with `add_metric`), or, with `value` and no labels, one unlabelled sample."""
-        cls = _CLASSES[self.type]
+        names = list(self.labels if labels is None else labels)
+        if self.type == HISTOGRAM:
+            if value is not None:
+                raise ValueError(f"{self.name}: a histogram has no single value")
+            return HistogramMetricFamily(self.name, self.help, labels=names)
+        cls = _VALUED[self.type]
         if value is not None:
             return cls(self.name, self.help, value=value)
-        return cls(self.name, self.help, labels=list(self.labels if labels is None else labels))
+        return cls(self.name, self.help, labels=names)
 
 
 class GaugeFamily(Family):

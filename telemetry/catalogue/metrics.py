@@ -141,6 +141,18 @@ FORECAST_HELPER_CPU = counter(
     "memtel_forecast_helper_cpu_seconds",
     "CPU time the live forecast's helper process has spent simulating for this process (off the serving "
     "process).", ("rank", "node"), source="forecast")
+FORECAST_SNAPSHOT_READER_INFO = gauge(
+    "memtel_forecast_snapshot_reader_info",
+    "1 for the way the live forecast took its last allocator snapshot: native (memtel's extension, without holding "
+    "the GIL), memory_snapshot (torch.cuda.memory_snapshot(): where the extension is off, the log says why) or "
+    "allocator_source (set_allocator_source).", ("reader", "rank", "node"), source="forecast")
+FORECAST_SNAPSHOT_RESYNCS = counter(
+    "memtel_forecast_snapshot_resyncs",
+    "Full allocator snapshots the live forecast took to (re)start its event shadow, by reason: start (the first, "
+    "or a new helper), mismatch (a replayed allocation or segment call differed from the allocator's), pool (an "
+    "event of a private pool), stream (an event on another stream), oom (the allocator ran out of memory), "
+    "overflow (the event log dropped events), no_marker, lost (events not replayed), state (a snapshot the shadow "
+    "cannot start from).", ("reason", "rank", "node"), source="forecast")
 FORECAST_FAILURES = counter(
     "memtel_forecast_failures",
     "Live forecast cycles that failed, by reason: snapshot (taking or reading the allocator snapshot), "

@@ -36,7 +36,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -105,7 +105,7 @@ class MetricsServer:
     """
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry, *,
-                 health: Callable[[], dict] | None = None, web_config: WebConfig | None = None,
+                 health: Callable[[], Mapping[str, object]] | None = None, web_config: WebConfig | None = None,
                  limits: ServerLimits | None = None, name: str = "memtel") -> None:
         self.registry = registry
         self._renderer = Renderer()

@@ -20,12 +20,18 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, TextIO
 
 from telemetry.errors import ConfigError, RunError
 from telemetry.flight.duration import parse_duration
 from telemetry.flight.recorder import CURRENT_RING, HEADROOM_SERIES, PREVIOUS_RING
 from telemetry.flight.ring import Record, RingContents, RingFormatError, read_ring
 from telemetry.procfs.headroom import FALLING
+
+if TYPE_CHECKING:  # matplotlib is imported only for --plot (the harness extra installs it)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 GIB = 1024**3
 # (column title, series, scale): the table's columns; a series a record lacks shows as "-".
@@ -103,7 +109,7 @@ def power_watts(record: Record) -> float | None:
     return sum(watts) if watts else None
 
 
-def table(contents: RingContents, records: list[Record], out) -> None:
+def table(contents: RingContents, records: list[Record], out: TextIO) -> None:
     header = contents.header
     span = f"{_iso(records[0].time)} to {_iso(records[-1].time)}" if records else "no records"
     print(f"boot {header.boot_id}: {len(records)} record(s), {span}", file=out)
@@ -126,13 +132,13 @@ def table(contents: RingContents, records: list[Record], out) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=False)), file=out)
 
 
-def as_json(contents: RingContents, records: list[Record], out) -> None:
+def as_json(contents: RingContents, records: list[Record], out: TextIO) -> None:
     for record in records:
         out.write(json.dumps({"seq": record.seq, "time": record.time, "boot_id": contents.header.boot_id,
                               "values": record.values}) + "\n")
 
 
-def as_csv(records: list[Record], out) -> None:
+def as_csv(records: list[Record], out: TextIO) -> None:
     keys = sorted({k for r in records for k in r.values})
     writer = csv.writer(out)
     writer.writerow(["seq", "time", *keys])
@@ -182,12 +188,14 @@ def plot(contents: RingContents, records: list[Record], path: str) -> None:
         plt.close(figure)
 
 
-def draw(plt, contents: RingContents, records: list[Record]):  # -> matplotlib Figure
+def draw(plt: ModuleType, contents: RingContents, records: list[Record]) -> Figure:
     """The plot's figure: headroom on top of the other memory series, the falling-alert floor, NV_ERR marks,
     GPU power on a second axis drawn beneath the first."""
     newest = records[-1].time
     seconds = [r.time - newest for r in records]
-    figure, axes = plt.subplots(figsize=(10, 5))
+    figure: Figure
+    axes: Axes
+    figure, axes = plt.subplots(figsize=(10, 5))  # plt is matplotlib.pyplot
     # The headroom often equals MemAvailable or the contiguous memory: it is drawn on top (zorder), thick and
     # dashed, and the others thin beneath it, so it is never hidden under them.
     for title, series, scale in TABLE_COLUMNS[:4]:

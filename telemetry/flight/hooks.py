@@ -9,10 +9,12 @@ series kept per target, the number of targets (config).
 
 from __future__ import annotations
 
+import http.client
 import logging
 import threading
 import urllib.error
 import urllib.request
+from typing import IO
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -45,8 +47,9 @@ def target_url(target: str) -> str:
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args, **kwargs):  # a root daemon follows no redirect to elsewhere
-        return None
+    def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str,
+                         headers: http.client.HTTPMessage, newurl: str) -> None:
+        return None  # a root daemon follows no redirect to elsewhere
 
 
 # No proxy from the environment (http_proxy would route a loopback scrape elsewhere) and no redirects.

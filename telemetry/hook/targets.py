@@ -16,6 +16,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 from typing import Any
 
 from telemetry.errors import ConfigError
@@ -107,7 +109,8 @@ class Patch:
             setattr(self.owner, self.attribute, self.original)
 
 
-def apply_patch(target: Target, module: Any, make_wrapper: Callable[[Callable, Target], Callable]) -> Patch:
+def apply_patch(target: Target, module: Any,
+                make_wrapper: Callable[[Callable[..., Any], Target], Callable[..., Any]]) -> Patch:
     """Replace the target's attribute in the (imported) module; InstallError if it is not there."""
     owner: Any = module
     parts = target.qualname.split(".")
@@ -168,11 +171,11 @@ class _PatchingLoader:
         self._loader = loader
         self._watcher = watcher
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         create = getattr(self._loader, "create_module", None)
         return create(spec) if create is not None else None
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         spec = getattr(module, "__spec__", None)
         # The module keeps its own loader: code that inspects __loader__ must not see this proxy.
         if spec is not None and spec.loader is self:

@@ -27,8 +27,13 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from telemetry.errors import ConfigError
+
+if TYPE_CHECKING:  # the hook is imported only where it is on (like the plugin)
+    from telemetry.hook.config import HookConfig
+    from telemetry.hook.session import HookHandle
 
 log = logging.getLogger("memtel.run")
 
@@ -54,7 +59,7 @@ def parse_delay(name: str, text: str) -> float | None:
     return seconds
 
 
-def config_from_env(environ: Mapping[str, str]):  # -> HookConfig | None (imported lazily, like the plugin)
+def config_from_env(environ: Mapping[str, str]) -> HookConfig | None:
     """The hook's configuration under memtel run; None when the hook is off; ConfigError names the bad variable."""
     from telemetry.hook.config import HookConfig
     from telemetry.hook.presets import ENGINE_MEMORY, MODEL_LOADED
@@ -126,7 +131,7 @@ def _clean_up_at_exit(environ: Mapping[str, str]) -> None:
         atexit.register(order.remove_at_exit, directory)
 
 
-def _watch_the_run(handle, environ: Mapping[str, str], delay: float | None) -> None:
+def _watch_the_run(handle: HookHandle, environ: Mapping[str, str], delay: float | None) -> None:
     """In the run's first process: warn when no process of the run has hooked anything (after `delay`, at exit)."""
     from telemetry.hook import run_order as order
 
@@ -147,7 +152,7 @@ def _watch_the_run(handle, environ: Mapping[str, str], delay: float | None) -> N
 
 
 class _NothingHookedWatch:
-    def __init__(self, handle, directory: str) -> None:
+    def __init__(self, handle: HookHandle, directory: str) -> None:
         self.handle = handle
         self.directory = directory
         self.pid = os.getpid()

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,6 +51,34 @@ def harness(args: list[str], log: Path) -> subprocess.Popen:
 def run_ab(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "telemetry", "ab", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_ab_together(runs: list[list[str]], timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Several `memtel ab ARGS` at once (independent runs: their own arms, ports and run directories), each as
+    run_ab returns it. A run is mostly one busy process at a time (the harness or its server), so on two cores
+    two runs take little longer than one."""
+    with contextlib.ExitStack() as files:
+        outputs = [(files.enter_context(tempfile.TemporaryFile()), files.enter_context(tempfile.TemporaryFile()))
+                   for _ in runs]  # files, not pipes: a run never waits for its output to be read
+        procs = [subprocess.Popen([sys.executable, "-m", "telemetry", "ab", *args], cwd=ROOT, stdout=out,
+                                  stderr=err, stdin=subprocess.DEVNULL)
+                 for args, (out, err) in zip(runs, outputs, strict=True)]
+        try:
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        results = []
+        for proc, (out, err) in zip(procs, outputs, strict=True):
+            out.seek(0)
+            err.seek(0)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read().decode(errors="replace"),
+                                                       err.read().decode(errors="replace")))
+        return results
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -2,14 +2,17 @@
 the middle, A/A and A/B with repeats, and the exit codes of runs that cannot pass.
 
 The 1M ladder is configs/ladders/long-context-32k-1m.yaml's steps and request settings, served by lab servers
-with max-model-len 1,048,576 (the reference shape otherwise: 45 layers, 8,192-token chunks), time-scaled 0.02
-and byte-scaled 0.05 so both arms run in about two minutes here. The fixed arm's 1M request makes 87,930 hooked
-calls; its block's call log (~57 MB) rotates and compresses, and the report reads it back.
+with max-model-len 1,048,576 (the reference shape otherwise: 45 layers, 8,192-token chunks), byte-scaled 0.05 and
+time-scaled 0: no modeled time is slept, a prefill takes what the simulator and the hook take (a few seconds at
+1M here; nothing here asserts on TTFT). The fixed arm's 1M request makes 87,930 hooked calls; its block's call
+log (~57 MB) rotates and compresses, and the report reads it back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -18,7 +21,7 @@ import yaml
 
 from telemetry.model.indexer.planner import plan_prefill
 from telemetry.model.indexer.shape import IndexerShape
-from tests.ab.lab import ROOT, events, harness, lab_arm, node_daemon, records, run_ab, tail, wait_for
+from tests.ab.lab import ROOT, events, harness, lab_arm, node_daemon, records, run_ab, run_ab_together, tail, wait_for
 
 pytestmark = pytest.mark.slow  # each test runs `memtel ab run` with lab servers
 
@@ -36,12 +39,22 @@ def expected_calls(mode: str, tokens: int, shape: IndexerShape) -> int:
     return sum(len(launches) for _, launches in plan_prefill(tokens, shape, mode)) * shape.layers
 
 
+def sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits for the (stopped) process `pid`: /proc/PID/status's ShdPnd mask."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return False
+    pending = int(next(line.split()[1] for line in lines if line.startswith("ShdPnd:")), 16)
+    return bool(pending & (1 << (signal.SIGTERM - 1)))
+
+
 def test_long_context_ladder_to_1m_resumed_in_the_middle(tmp_path, daemon):
     profile = yaml.safe_load(LONG_LADDER.read_text())
     steps = profile["steps"]
     assert [s["tokens"] for s in steps] == [32_000, 64_000, 128_000, 256_000, 512_000, 1_000_000]
     big = {"max_model_len": 1_048_576, "chunk": 8192, "layers": 45, "budget_mb": "512", "scale": "0.05",
-           "time_scale": "0.02"}
+           "time_scale": "0"}
     ladder = {"model": "lab", "request": {**profile["request"], "check_answer": False},
               "arms": [lab_arm("stock", "stock", **big), lab_arm("fixed", "fixed", **big)],
               "nodes": {"local": daemon}, "steps": steps, "repeats": 1, "order": "ABAB",
@@ -52,14 +65,25 @@ def test_long_context_ladder_to_1m_resumed_in_the_middle(tmp_path, daemon):
     path.write_text(yaml.safe_dump(ladder, sort_keys=False))
     run_dir, log = tmp_path / "run", tmp_path / "harness.log"
 
-    # 1. Interrupt during the stock arm's 512k prefill: four steps of the block are done.
+    # 1. Interrupt during the stock arm's 512k request: four steps of the block are done. As soon as the harness
+    # samples the node for that request (it has scraped the server and sends the prompt), the server process is
+    # stopped (SIGSTOP), so the request cannot finish however fast the prefill is; it runs on (SIGCONT) once the
+    # harness, interrupted, is stopping it (its SIGTERM pending), and exits.
     proc = harness(["run", str(path), "--out", str(run_dir)], log)
+    frozen = None
     try:
-        wait_for(lambda: events(run_dir, "node_sample", arm="stock", step="cold-512k"), 240, "stock's 512k prefill",
+        wait_for(lambda: events(run_dir, "node_sample", arm="stock", step="cold-512k"), 240, "stock's 512k request",
                  proc, log)
+        frozen = events(run_dir, "serve_start", arm="stock")[-1]["pid"]
+        os.kill(frozen, signal.SIGSTOP)
         proc.send_signal(signal.SIGINT)
+        wait_for(lambda: sigterm_pending(frozen) or proc.poll() is not None, 60, "the harness to stop the server")
+        os.kill(frozen, signal.SIGCONT)
         assert proc.wait(timeout=60) == 130, tail(log)
     finally:
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -136,9 +160,15 @@ def test_a_a_comes_out_no_difference_and_a_b_significant(tmp_path, daemon):
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
 
-    # A/A: two identical stock arms.
-    aa = run_ab(["run", str(ladder([lab_arm("stock", "stock", **shape), lab_arm("stock-again", "stock", **shape)])),
-                 "--out", str(tmp_path / "aa")])
+    # A/A: two identical stock arms; A/B: stock against fixed, with a gate the stock arm fails. The two runs are
+    # independent (their own servers and ports): they run at the same time.
+    aa, ab = run_ab_together([
+        ["run", str(ladder([lab_arm("stock", "stock", **shape), lab_arm("stock-again", "stock", **shape)])),
+         "--out", str(tmp_path / "aa")],
+        ["run", str(ladder([lab_arm("stock", "stock", **shape), lab_arm("fixed", "fixed", **shape)],
+                           gates=[{"arm": "fixed", "max_reserved_growth_mib": 200},
+                                  {"arm": "stock", "max_reserved_growth_mib": 200}])),
+         "--out", str(tmp_path / "ab")]])
     assert aa.returncode == 0, aa.stdout[-3000:] + aa.stderr[-3000:]
     assert ("stock − stock-again reserved growth over the ladder, all ranks: no difference (identical in all 2 "
             "repeats)") in aa.stdout
@@ -152,11 +182,7 @@ def test_a_a_comes_out_no_difference_and_a_b_significant(tmp_path, daemon):
     order = [(r["arm"], r["repeat"]) for r in events(tmp_path / "aa", "serve_start")]
     assert order == [("stock", 0), ("stock-again", 0), ("stock", 1), ("stock-again", 1)]
 
-    # A/B: stock against fixed, with a gate the stock arm fails: exit 3.
-    ab = run_ab(["run", str(ladder([lab_arm("stock", "stock", **shape), lab_arm("fixed", "fixed", **shape)],
-                                   gates=[{"arm": "fixed", "max_reserved_growth_mib": 200},
-                                          {"arm": "stock", "max_reserved_growth_mib": 200}])),
-                 "--out", str(tmp_path / "ab")])
+    # A/B: the gate on the stock arm fails: exit 3.
     assert ab.returncode == 3, ab.stdout[-3000:] + ab.stderr[-3000:]
     assert "Verdict: GATE FAILED — 1 of 2 gates failed: max_reserved_growth_mib 200 (arm stock)" in ab.stdout
     assert ("stock − fixed reserved growth over the ladder, all ranks: +290.0 MiB (significant: the same in all 2 "
@@ -189,16 +215,17 @@ def test_failed_requests_exit_4_and_no_arm_started_exits_1(tmp_path):
     # The lab server refuses n=2 (HTTP 400): every request fails; the arm stops after the first.
     data = {"model": "lab", "request": {"max_tokens": 4, "check_answer": False, "extra_body": {"n": 2}},
             "arms": [lab_arm("stock", "stock")], "steps": steps}
-    path = tmp_path / "fails.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    result = run_ab(["run", str(path), "--out", str(tmp_path / "fails")], timeout=120)
+    fails = tmp_path / "fails.yaml"
+    fails.write_text(yaml.safe_dump(data, sort_keys=False))
+    # No arm starts (the command exits at once): nothing ran. The two runs are independent: run at the same time.
+    data["arms"][0]["serve"]["command"] = ["python3", "-c", "raise SystemExit(3)"]
+    nothing = tmp_path / "nothing.yaml"
+    nothing.write_text(yaml.safe_dump(data, sort_keys=False))
+    result, none_ran = run_ab_together([["run", str(fails), "--out", str(tmp_path / "fails")],
+                                        ["run", str(nothing), "--out", str(tmp_path / "nothing")]], timeout=120)
     assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Verdict: REQUESTS FAILED — 0 of 2 requests ok, 2 failed or skipped" in result.stdout
     report = (tmp_path / "fails" / "report.md").read_text()
     assert "- stock repeat 0 a: failed: HTTP 400" in report and "- stock repeat 0 b: skipped: request failed" in report
-    # No arm starts (the command exits at once): nothing ran, exit 1.
-    data["arms"][0]["serve"]["command"] = ["python3", "-c", "raise SystemExit(3)"]
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    result = run_ab(["run", str(path), "--out", str(tmp_path / "nothing")], timeout=120)
-    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "Verdict: NOTHING RAN — no request was made (every arm failed to start)" in result.stdout
+    assert none_ran.returncode == 1, none_ran.stdout[-2000:] + none_ran.stderr[-2000:]
+    assert "Verdict: NOTHING RAN — no request was made (every arm failed to start)" in none_ran.stdout

@@ -1,12 +1,22 @@
 """The A/B harness against real vLLM CPU servers, the real node daemon and the hook in the workers.
 
-Server starts are the cost (~40 s each on two cores), so each test combines scenarios:
+Server starts are most of the cost (docs/testing.md), so each test combines scenarios:
 - `test_two_arms_interrupted_twice_then_resumed`: two served arms, 4k/4k/8k; Ctrl-C (SIGINT) during
   arm A, --resume, SIGKILL of the harness during arm B (its watchdog must stop the server), --resume
   again; each unfinished block runs again from its first step on a fresh server (its first attempt's
   records superseded); then every record, exact prompt token counts, the report and plots.
 - `test_server_killed_mid_request`: a server SIGKILLed during a prefill, once in an arm that goes on
   (on_error: continue, so a fresh serve runs the rest) and once in an arm that stops (stop-arm).
+
+Seven starts in all, so each is made cheap and the two ladders run side by side:
+- Each server runs eager (`--enforce-eager`: compiling is not what these tests check) in two processes, not
+  three (`VLLM_ENABLE_V1_MULTIPROCESSING=0` with `--distributed-executor-backend uni`: the worker runs inside
+  the engine core; the API server still starts the engine core as its own process). Nothing here asserts on
+  the process layout: a server is its process group, stopped, killed and checked as a group.
+- Most of a start is Python importing vLLM on one core, and this machine has two: the killed-server ladder
+  starts in a thread when the module starts (`killed_server_run`) and runs beside the interrupted one; its
+  test waits for it and checks what it left. The harness is started without a `preexec_fn` (not safe
+  with a second thread), by a bootstrap that restores Ctrl-C itself (`harness_process`).
 """
 
 from __future__ import annotations
@@ -16,13 +26,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from tests.ab.lab import events, harness, records, tail, wait_for
+from harness.ab.serve import group_members
+from tests.ab.lab import events, records, tail, wait_for
 from tests.ab.lab import node_daemon as run_node_daemon
 from tests.support.ports import free_port
 from tests.support.vllm import server_env, vllm_python
@@ -35,11 +49,10 @@ HOOK_TARGET = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forwa
 
 
 def group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    """No live process of the group is left. A zombie is not counted: it runs nothing, and one whose parent
+    exited first waits for init to reap it (the multiprocessing resource tracker of vLLM's API server), which
+    neither the harness nor the server can hurry."""
+    return not group_members(pgid)
 
 
 def port_free(port: int) -> bool:
@@ -58,25 +71,111 @@ def serve_arm(name: str, model: Path, port: int, hook_port: int | None = None, o
     env["VLLM_SPARSE_INDEXER_FIXED_LOGITS_WIDTH"] = "1" if name.startswith("fixed") else "0"
     if hook_port is not None:
         env.update({"MEMTEL_TARGETS": HOOK_TARGET, "MEMTEL_PORT": str(hook_port), "MEMTEL_ADDR": "127.0.0.1"})
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # lets `uni` run the worker inside the engine core
     arm = {"name": name, "serve": {
         "command": [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                     "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-                    "--max-model-len", str(max_model_len), "--dtype", "float32"],
-        "env": env, "health_url": f"http://127.0.0.1:{port}/health", "startup_timeout_s": 300, "stop_grace_s": 20,
+                    "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager",
+                    "--distributed-executor-backend", "uni"],
+        "env": env, "health_url": f"http://127.0.0.1:{port}/health", "startup_timeout_s": 300, "stop_grace_s": 10,
     }}
     if on_error:
         arm["on_error"] = on_error
     return arm
 
 
+# `memtel ab` with Ctrl-C as at a terminal: a suite started in the background runs with SIGINT ignored, and
+# Python keeps an ignored SIGINT ignored.
+_WITH_CTRL_C = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "runpy.run_module('telemetry', run_name='__main__', alter_sys=True)")
+
+
+def harness_process(args: list[str], log: Path) -> subprocess.Popen:
+    """`memtel ab ARGS` as a child, its output in `log` (tests/ab/lab.py's `harness`, without a preexec_fn)."""
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-c", _WITH_CTRL_C, "ab", *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
 @pytest.fixture(scope="module")
-def node_daemon(tmp_path_factory):
+def node_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The real memtel node daemon on a free loopback port."""
     with run_node_daemon(tmp_path_factory.mktemp("daemon-state")) as url:
         yield url
 
 
-def test_two_arms_interrupted_twice_then_resumed(tmp_path, tiny_model, node_daemon):
+class KilledRun:
+    """The killed-server ladder, run in a thread: its harness (to stop it if the module ends first) and result."""
+
+    def __init__(self, tmp: Path, model: Path, node_daemon: str) -> None:
+        self.tmp, self.model, self.node_daemon = tmp, model, node_daemon
+        self.run_dir, self.log = tmp / "run", tmp / "harness.log"
+        self.proc: subprocess.Popen | None = None
+        self.result: Future[int] = Future()  # the harness's exit status
+        self.thread = threading.Thread(target=self._main, name="killed-server-ladder", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            self.result.set_result(self._run())
+        except BaseException as exc:  # handed to the test, which raises it
+            self.result.set_exception(exc)
+
+    def _run(self) -> int:
+        port_a, port_b = free_port(), free_port()
+        steps = [{"label": "small", "tokens": 2000, "seed": 1}, {"label": "long", "tokens": 40000, "seed": 2},
+                 {"label": "after", "tokens": 2000, "seed": 3}]
+        ladder = {
+            "model": "tiny", "request": {"max_tokens": 4, "timeout_s": 300, "check_answer": False,
+                                         "words_file": str(self.model / "tokenizer.json")},
+            "arms": [serve_arm("goes-on", self.model, port_a, on_error="continue", max_model_len=49152),
+                     serve_arm("stops", self.model, port_b, on_error="stop-arm", max_model_len=49152)],
+            "nodes": {"local": self.node_daemon}, "steps": steps, "sample_interval_s": 0.5,
+        }
+        ladder_path = self.tmp / "ladder.yaml"
+        ladder_path.write_text(yaml.safe_dump(ladder, sort_keys=False))
+        self.proc = proc = harness_process(["run", str(ladder_path), "--out", str(self.run_dir)], self.log)
+        try:
+            for arm in ("goes-on", "stops"):
+                def in_flight(arm: str = arm) -> bool:
+                    """The long prefill is in flight once the 0.5 s node sampler has recorded twice for it."""
+                    return len(events(self.run_dir, "node_sample", arm=arm, step="long")) >= 2
+
+                wait_for(in_flight, 600, f"{arm}'s long request", proc, self.log)
+                os.killpg(events(self.run_dir, "serve_start", arm=arm)[-1]["pgid"], signal.SIGKILL)
+            return proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def stop(self) -> None:
+        """The module is over: a harness still running is interrupted (it stops its server), then waited for."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.thread.join(timeout=120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def killed_server_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
+                      node_daemon: str) -> Iterator[KilledRun | None]:
+    """test_server_killed_mid_request's ladder, started when the module starts (when that test is selected), so
+    that it runs beside test_two_arms_interrupted_twice_then_resumed."""
+    if not any(item.name == "test_server_killed_mid_request" for item in request.session.items):
+        yield None
+        return
+    run = KilledRun(tmp_path_factory.mktemp("killed-mid-request"), tiny_model, node_daemon)
+    run.thread.start()
+    try:
+        yield run
+    finally:
+        run.stop()
+
+
+def test_two_arms_interrupted_twice_then_resumed(tmp_path: Path, tiny_model: Path, node_daemon: str) -> None:
     port_a, port_b, hook_port = free_port(), free_port(), free_port()
     ladder = {
         "model": "tiny",
@@ -95,7 +194,7 @@ def test_two_arms_interrupted_twice_then_resumed(tmp_path, tiny_model, node_daem
     procs: list[subprocess.Popen] = []
     try:
         # 1. Ctrl-C during arm A, after its first request: exit 130, server stopped, run_end interrupted.
-        proc = harness(["run", str(ladder_path), "--out", str(run_dir)], log)
+        proc = harness_process(["run", str(ladder_path), "--out", str(run_dir)], log)
         procs.append(proc)
         # After the request's "after" scrape (its record comes first): a signal between the two would leave
         # the request without one, which is not what this test is about.
@@ -117,7 +216,7 @@ def test_two_arms_interrupted_twice_then_resumed(tmp_path, tiny_model, node_daem
         assert refused.returncode == 2 and "already holds a run" in refused.stderr
 
         # 2. Resume, then SIGKILL the harness during arm B: nothing in it runs, its watchdog stops the server.
-        proc = harness(["run", str(ladder_path), "--out", str(run_dir), "--resume"], log)
+        proc = harness_process(["run", str(ladder_path), "--out", str(run_dir), "--resume"], log)
         procs.append(proc)
         wait_for(lambda: events(run_dir, "scrape", arm="fixed", phase="after"), 300, "fixed's first request", proc,
                  log)
@@ -128,7 +227,7 @@ def test_two_arms_interrupted_twice_then_resumed(tmp_path, tiny_model, node_daem
         done_mid = [(r["arm"], r["step"]) for r in events(run_dir, "request")]
 
         # 3. Resume to the end, with the report.
-        proc = harness(["run", str(ladder_path), "--out", str(run_dir), "--resume"], log)
+        proc = harness_process(["run", str(ladder_path), "--out", str(run_dir), "--resume"], log)
         procs.append(proc)
         assert proc.wait(timeout=400) == 0, tail(log)
     finally:
@@ -190,10 +289,17 @@ def check_complete_run(run_dir: Path, ladder_path: Path, superseded_steps: dict[
     assert len([s for s in scrapes if s["phase"] == "baseline"]) == 2
     for s in scrapes:
         assert s["nodes"]["local"]["mem_available_bytes"] > 0, s
-        assert s["ranks"]["rank0"].get("hook_calls_total") is not None, s
+        assert s["ranks"]["rank0"]["error"] is None, s  # the hook's exporter answered, before a request too
         assert s["server"]["ttft_count"] is not None
     after = [s for s in scrapes if s["phase"] == "after"]
     assert all(s["ranks"]["rank0"]["hook_calls_total"] > 0 for s in after)
+    # The baseline is the server before its first request: its hooked calls (none yet, eager vLLM does not warm
+    # up; no series until the first call) are fewer than after that request.
+    for i, s in enumerate(scrapes):
+        if s["phase"] == "baseline":
+            first = scrapes[i + 1]
+            assert first["phase"] == "after" and first["arm"] == s["arm"], first
+            assert (s["ranks"]["rank0"]["hook_calls_total"] or 0) < first["ranks"]["rank0"]["hook_calls_total"], s
     hook_logs = sorted((run_dir / "hook-logs").glob("*/memtel-calls-rank0-pid*.jsonl"))
     assert {p.parent.name for p in hook_logs} == {"stock-r0", "fixed-r0"}
     # The report: four tables with a row per step, plots, summary.
@@ -216,35 +322,11 @@ def check_complete_run(run_dir: Path, ladder_path: Path, superseded_steps: dict[
     assert {"plots/mem_available_local.png", "plots/ttft.png", "plots/reserved_rank0.png"} <= set(plots)
 
 
-def test_server_killed_mid_request(tmp_path, tiny_model, node_daemon):
-    port_a, port_b = free_port(), free_port()
-    steps = [{"label": "small", "tokens": 2000, "seed": 1}, {"label": "long", "tokens": 40000, "seed": 2},
-             {"label": "after", "tokens": 2000, "seed": 3}]
-    ladder = {
-        "model": "tiny", "request": {"max_tokens": 4, "timeout_s": 300, "check_answer": False,
-                                     "words_file": str(tiny_model / "tokenizer.json")},
-        "arms": [serve_arm("goes-on", tiny_model, port_a, on_error="continue", max_model_len=49152),
-                 serve_arm("stops", tiny_model, port_b, on_error="stop-arm", max_model_len=49152)],
-        "nodes": {"local": node_daemon}, "steps": steps, "sample_interval_s": 0.5,
-    }
-    ladder_path = tmp_path / "ladder.yaml"
-    ladder_path.write_text(yaml.safe_dump(ladder, sort_keys=False))
-    run_dir, log = tmp_path / "run", tmp_path / "harness.log"
-    proc = harness(["run", str(ladder_path), "--out", str(run_dir)], log)
-    killed = []
-    try:
-        for arm in ("goes-on", "stops"):
-            # The long prefill is in flight once the 1 s node sampler has recorded for it.
-            wait_for(lambda arm=arm: len(events(run_dir, "node_sample", arm=arm, step="long")) >= 2, 300,
-                     f"{arm}'s long request", proc, log)
-            pgid = events(run_dir, "serve_start", arm=arm)[-1]["pgid"]
-            os.killpg(pgid, signal.SIGKILL)
-            killed.append(pgid)
-        assert proc.wait(timeout=400) == 4, tail(log)  # requests failed: exit 4 (docs/harness.md)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def test_server_killed_mid_request(killed_server_run: KilledRun | None) -> None:
+    run = killed_server_run
+    assert run is not None, "the fixture starts this test's ladder whenever this test is selected"
+    assert run.result.result(timeout=1800) == 4, tail(run.log)  # requests failed: exit 4 (docs/harness.md)
+    run_dir = run.run_dir
     requests = {(r["arm"], r["step"]): r for r in events(run_dir, "request")}
     for arm in ("goes-on", "stops"):
         assert requests[(arm, "small")]["ok"]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from telemetry.cli import main
+from tests.support.cli import call_main
 
 FIXTURE = (Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "allocator-truth"
            / "h200-torch2.11-expandable-segments-True.json")
@@ -70,9 +69,7 @@ def test_config_override_and_capacity(tmp_path, capsys):
     ],
 )
 def test_bad_input_exits_nonzero_naming_case_op_and_problem(tmp_path, doc, words):
-    done = subprocess.run(
-        [sys.executable, "-m", "telemetry.cli", "allocsim", str(_write(tmp_path, doc))], capture_output=True, text=True
-    )
+    done = call_main(["allocsim", str(_write(tmp_path, doc))])
     assert done.returncode != 0
     assert done.stdout == ""
     for word in words:

@@ -16,6 +16,7 @@ import pytest
 from telemetry.model.allocsim.recorder import RecordingSim
 from telemetry.model.allocsim.snapshot import SnapshotError, read_allocator_state
 from telemetry.model.allocsim.snapshot_file import SnapshotFileError, parse_snapshot_bytes, read_snapshot_file
+from tests.support.cli import call_main
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTURE = REPO / "tests" / "fixtures" / "allocator-snapshots" / "h200-torch2.11"
@@ -24,7 +25,12 @@ SEEDED = CAPTURE / "seeded-default-stock-state24k.snapshot.json.gz"
 MIB = 1024 * 1024
 
 
-def memtel(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+def memtel(*args: str, cwd: Path = REPO, shell: bool = False) -> subprocess.CompletedProcess[str]:
+    """`memtel ARGS` in this process (tests/support/cli.py); with `shell`, through a fresh Python: where a
+    hostile file could run code, a FIFO could block, or a defect could read gigabytes, and for the exit
+    status the shell sees."""
+    if not shell:
+        return call_main(list(args), cwd=cwd)
     return subprocess.run([sys.executable, "-m", "telemetry.cli", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=120)
 
@@ -64,11 +70,11 @@ def test_a_hostile_pickle_runs_nothing(tmp_path):
     evil.write_bytes(pickle.dumps({"segments": [], "device_traces": [[Hostile(marker)]]}))
     for command in (["whatif", str(evil)], ["forecast", "--snapshot", str(evil), "--tokens", "1000"],
                     ["allocsim", str(_ops_file(tmp_path)), "--from-snapshot", str(evil)]):
-        assert_refused(memtel(*command), "posix.system", "refused")
+        assert_refused(memtel(*command, shell=True), "posix.system", "refused")
     assert not marker.exists()
     # gzip-compressed, the same
     (tmp_path / "evil.pickle.gz").write_bytes(gzip.compress(evil.read_bytes()))
-    assert_refused(memtel("whatif", str(tmp_path / "evil.pickle.gz")), "refused")
+    assert_refused(memtel("whatif", str(tmp_path / "evil.pickle.gz"), shell=True), "refused")
     assert not marker.exists()
 
 
@@ -202,11 +208,12 @@ def test_limits_refuse_a_large_file_before_reading(tmp_path):
     with open(big, "wb") as f:  # 10 GiB, sparse: nothing is written, and nothing may be read
         f.truncate(10 * 1024**3)
     started = time.perf_counter()
-    assert_refused(memtel("whatif", str(big)), "10737418240 bytes", "refused before reading", "--max-file-gb")
+    assert_refused(memtel("whatif", str(big), shell=True), "10737418240 bytes", "refused before reading",
+                   "--max-file-gb")
     assert time.perf_counter() - started < 30
     small = tmp_path / "small.pickle"
     small.write_bytes(RECORDED.read_bytes())
-    assert_refused(memtel("whatif", str(small), "--max-file-gb", "0.00001"), "refused before reading")
+    assert_refused(memtel("whatif", str(small), "--max-file-gb", "0.00001", shell=True), "refused before reading")
 
 
 def test_a_gzip_that_inflates_past_the_limit_is_refused():
@@ -218,7 +225,7 @@ def test_a_gzip_that_inflates_past_the_limit_is_refused():
 def test_special_files_and_missing_files(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    assert_refused(memtel("whatif", str(fifo)), "not a regular file")
+    assert_refused(memtel("whatif", str(fifo), shell=True), "not a regular file")
     assert_refused(memtel("whatif", str(tmp_path)), "cannot read")
     assert_refused(memtel("whatif", str(tmp_path / "missing.pickle")), "cannot read")
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from telemetry.model.allocsim.trace import load_trace
 from telemetry.model.allocsim.whatif import whatif
 from telemetry.model.indexer.forecast import forecast
 from telemetry.model.indexer.shape import IndexerShape
+from tests.support.cli import call_main
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = REPO / "tests" / "fixtures" / "allocator-snapshots"
@@ -92,8 +91,8 @@ def test_forecast_gives_the_growth_the_process_had(path: Path):
 def test_allocsim_command_checks_a_seeded_capture():
     path = next(p for p in SEEDED if _doc(p)["config"] == "")
     doc = _doc(path)
-    done = subprocess.run([sys.executable, "-m", "telemetry.cli", "allocsim", "--check", str(path), "--from-snapshot",
-                           str(path.parent / doc["snapshot"]["pickle"])], capture_output=True, text=True, cwd=REPO)
+    done = call_main(["allocsim", "--check", str(path), "--from-snapshot",
+                      str(path.parent / doc["snapshot"]["pickle"])], cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "all rows agree" in done.stdout
 
@@ -104,19 +103,17 @@ def test_forecast_command_gives_the_growth_the_process_had(mode):
                 and _doc(p)["cases"]["next_prefill"]["after"][-1][0] > 0)
     doc = _doc(path)
     spec = doc["next_prefill"]
-    done = subprocess.run([sys.executable, "-m", "telemetry.cli", "forecast", "--snapshot",
-                           str(path.parent / doc["snapshot"]["pickle"]), "--tokens", f"1000,{spec['tokens']}",
-                           "--layers", str(spec["layers"]), "--chunk", str(spec["chunk"]), "--mode", mode, "--json"],
-                          capture_output=True, text=True, cwd=REPO)
+    done = call_main(["forecast", "--snapshot", str(path.parent / doc["snapshot"]["pickle"]), "--tokens",
+                      f"1000,{spec['tokens']}", "--layers", str(spec["layers"]), "--chunk", str(spec["chunk"]),
+                      "--mode", mode, "--json"], cwd=REPO)
     assert done.returncode == 0, done.stderr
     small, full = json.loads(done.stdout)["forecasts"]
     after = doc["cases"]["next_prefill"]["after"]
     assert (full["reserved_growth_bytes"], full["num_device_alloc"]) == (after[-1][0], after[-1][2])
     assert full["alloc_conf"] == ""  # the settings the pickle recorded
     assert small["tokens"] == 1000 and small["reserved_growth_bytes"] <= full["reserved_growth_bytes"]
-    table = subprocess.run([sys.executable, "-m", "telemetry.cli", "forecast", "--snapshot",
-                            str(path.parent / doc["snapshot"]["json"]), "--tokens", str(spec["tokens"]),
-                            "--layers", str(spec["layers"]), "--mode", mode], capture_output=True, text=True, cwd=REPO)
+    table = call_main(["forecast", "--snapshot", str(path.parent / doc["snapshot"]["json"]), "--tokens",
+                       str(spec["tokens"]), "--layers", str(spec["layers"]), "--mode", mode], cwd=REPO)
     assert table.returncode == 0 and f"{after[-1][0] / 2**20:+,.0f} MiB" in table.stdout
 
 
@@ -207,8 +204,8 @@ def test_a_history_whose_ring_dropped_its_start_is_reported_incomplete(folder: P
 
 def test_whatif_command_json_has_the_issue_shape():
     folder = WHATIF[0]
-    done = subprocess.run([sys.executable, "-m", "telemetry.cli", "whatif", str(folder / "whatif-recorded.pickle.gz"),
-                           "--config", "expandable_segments:True", "--json"], capture_output=True, text=True, cwd=REPO)
+    done = call_main(["whatif", str(folder / "whatif-recorded.pickle.gz"), "--config", "expandable_segments:True",
+                      "--json"], cwd=REPO)
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert set(doc["configs"]) == {"", "expandable_segments:True"}

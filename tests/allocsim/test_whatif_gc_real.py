@@ -10,14 +10,13 @@ agree with the real counters at every checkpoint.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from telemetry.model.allocsim.trace import load_trace
 from telemetry.model.allocsim.whatif import whatif
+from tests.support.cli import call_main
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURES = sorted(p for p in (ROOT / "tests/fixtures/allocator-gc-traces").iterdir() if p.is_dir())
@@ -78,8 +77,7 @@ def test_garbage_collection_fires_in_the_fixtures():
 
 def test_whatif_command_reproduces_a_recorded_collection():
     path = next(p for p in TRACES if "-conf-ec" in p.name and "-es-" not in p.name)
-    done = subprocess.run([sys.executable, "-m", "telemetry.cli", "whatif", str(path), "--json"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = call_main(["whatif", str(path), "--json"], cwd=ROOT)
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)["trace"]
     assert doc["reproduces_segment_events"] and doc["first_difference"] is None and doc["complete"]

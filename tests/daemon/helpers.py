@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.cli import call_main
 from tests.support.kmsg import write_kmsg  # noqa: F401  (the one writer: opt-in, marked lines)
 from tests.support.ports import free_port
 
@@ -130,9 +131,29 @@ class Daemon:
         self.stop()
 
 
+@contextlib.contextmanager
+def all_started(*daemons: Daemon) -> Iterator[tuple[Daemon, ...]]:
+    """Start every daemon at once (their Python starts overlap), wait until each answers, stop all at exit."""
+    try:
+        for daemon in daemons:
+            daemon.start(wait=False)
+        for daemon in daemons:
+            daemon.wait_ready()
+        yield daemons
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+
+
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "telemetry", "daemon", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def check_config(*args: str) -> subprocess.CompletedProcess:
+    """`memtel daemon ARGS --check-config` in this process (tests/support/cli.py). `--check-config` is always
+    given, so a configuration that wrongly passes prints "configuration OK" and returns: nothing starts here."""
+    return call_main(["daemon", *args, "--check-config"])
 
 
 # -- the real kernel log (written only through tests.support.kmsg) ---------------------------------------

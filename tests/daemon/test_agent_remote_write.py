@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -45,10 +46,19 @@ class Prometheus:
         self.args = [prometheus_binary(), f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn", *args]
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> Prometheus:
+    def start(self) -> Prometheus:
+        """Start it without waiting (wait_ready waits)."""
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for(self.ready, timeout=60, interval=0.2, what=f"{self.args[1]} ready")
+        return self
+
+    def wait_ready(self) -> None:
+        wait_for(self.ready, timeout=60, interval=0.1, what=f"{self.args[1]} ready")
+
+    def __enter__(self) -> Prometheus:
+        if self.proc is None:
+            self.start()
+        self.wait_ready()
         return self
 
     def ready(self) -> bool:
@@ -69,6 +79,9 @@ class Prometheus:
         return self.log_path.read_text(errors="replace")
 
     def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         os.killpg(self.proc.pid, signal.SIGTERM)
@@ -114,29 +127,39 @@ def test_a_kernel_line_reaches_a_second_prometheus_through_the_agent(tmp_path):
                     "--disable-collector", "nvml", "--disable-collector", "processes", "--no-flight-recorder")
     receiver_config = tmp_path / "receiver.yml"
     receiver_config.write_text("global:\n  scrape_interval: 15s\n")
-    with daemon, Prometheus(tmp_path, "receiver", f"--config.file={receiver_config}",
-                            f"--storage.tsdb.path={tmp_path / 'receiver-tsdb'}",
-                            "--web.enable-remote-write-receiver") as receiver:
-        config = tmp_path / "agent.yml"
-        config.write_text(yaml.safe_dump(agent_config(f"127.0.0.1:{daemon.port}", receiver.url, node)))
-        with Prometheus(tmp_path, "agent", "--enable-feature=agent", f"--config.file={config}",
-                        f"--storage.agent.path={tmp_path / 'agent-wal'}") as agent:
-            selector = f'{{pattern="{pattern}",node="{node}",job="memtel-daemon",agent="memtel"}}'
-            wait_for(lambda: receiver.query(f"memtel_kernel_pattern_matches_total{selector}"), timeout=60,
-                     interval=0.2, what=f"the daemon's series in the receiver\n{agent.log()}")
-            assert float(receiver.query(f"memtel_kernel_pattern_matches_total{selector}")[0]["value"][1]) == 0
-            nv_err_before = receiver.query(f'memtel_kernel_nv_err_no_memory_total{{node="{node}"}}')
-            assert nv_err_before, "the NV_ERR counter is exported from the start"
+    receiver = Prometheus(tmp_path, "receiver", f"--config.file={receiver_config}",
+                          f"--storage.tsdb.path={tmp_path / 'receiver-tsdb'}", "--web.enable-remote-write-receiver")
+    config = tmp_path / "agent.yml"
+    config.write_text(yaml.safe_dump(agent_config(f"127.0.0.1:{daemon.port}", receiver.url, node)))
+    agent = Prometheus(tmp_path, "agent", "--enable-feature=agent", f"--config.file={config}",
+                       f"--storage.agent.path={tmp_path / 'agent-wal'}")
+    # The three start at once, then each is waited for (the agent retries what it cannot send yet).
+    with ExitStack() as running:
+        running.callback(daemon.stop)
+        daemon.start(wait=False)
+        running.callback(receiver.stop)
+        receiver.start()
+        running.callback(agent.stop)
+        agent.start()
+        daemon.wait_ready()
+        receiver.wait_ready()
+        agent.wait_ready()
+        selector = f'{{pattern="{pattern}",node="{node}",job="memtel-daemon",agent="memtel"}}'
+        wait_for(lambda: receiver.query(f"memtel_kernel_pattern_matches_total{selector}"), timeout=60,
+                 interval=0.2, what=f"the daemon's series in the receiver\n{agent.log()}")
+        assert float(receiver.query(f"memtel_kernel_pattern_matches_total{selector}")[0]["value"][1]) == 0
+        nv_err_before = receiver.query(f'memtel_kernel_nv_err_no_memory_total{{node="{node}"}}')
+        assert nv_err_before, "the NV_ERR counter is exported from the start"
 
-            written = time.monotonic()
-            write_kmsg(f"NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] {token}")
-            wait_for(lambda: float(receiver.query(f"memtel_kernel_pattern_matches_total{selector}")[0]["value"][1])
-                     == 1, timeout=30, interval=0.1, what="the kernel line in the receiver")
-            seconds = time.monotonic() - written
-            nv_err = receiver.query(f'memtel_kernel_nv_err_no_memory_total{{node="{node}"}}')
-            assert float(nv_err[0]["value"][1]) >= float(nv_err_before[0]["value"][1]) + 1
-            up = receiver.query(f'up{{job="memtel-daemon",node="{node}"}}')
-            assert float(up[0]["value"][1]) == 1  # the agent's own scrape health travels too
+        written = time.monotonic()
+        write_kmsg(f"NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] {token}")
+        wait_for(lambda: float(receiver.query(f"memtel_kernel_pattern_matches_total{selector}")[0]["value"][1])
+                 == 1, timeout=30, interval=0.1, what="the kernel line in the receiver")
+        seconds = time.monotonic() - written
+        nv_err = receiver.query(f'memtel_kernel_nv_err_no_memory_total{{node="{node}"}}')
+        assert float(nv_err[0]["value"][1]) >= float(nv_err_before[0]["value"][1]) + 1
+        up = receiver.query(f'up{{job="memtel-daemon",node="{node}"}}')
+        assert float(up[0]["value"][1]) == 1  # the agent's own scrape health travels too
     # 1 s scrape + at most 1 s in the agent's queue + query polling: a few seconds, not the default 5 s+
     assert seconds < 10, f"the line took {seconds:.1f} s to reach the receiver"
     print(f"kernel line -> receiver query API: {seconds:.2f} s")

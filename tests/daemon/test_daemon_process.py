@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from telemetry.procfs.meminfo import parse_meminfo
-from tests.daemon.helpers import Daemon, run_cli
+from tests.daemon.helpers import Daemon, check_config, run_cli, wait_for
 
 PROC = Path(__file__).parents[1] / "fixtures" / "proc"
 
@@ -52,8 +52,9 @@ def test_faults_nvml_absent_kmsg_unreadable_and_a_raising_collector(tmp_path):
     unreadable = tmp_path / "a-directory"
     unreadable.mkdir()
     with Daemon(tmp_path / "state", "--proc-root", str(proc), "--kmsg", str(unreadable)) as daemon:
-        time.sleep(0.3)  # the kmsg follower tries to open the log right after start
-        scrape = daemon.scrape()  # status 200 checked inside
+        # the kmsg follower tries to open the log right after start: poll until it has failed
+        scrape = wait_for(lambda: (s := daemon.scrape()).value("memtel_collector_success", collector="kmsg") == 0
+                          and s, what="the kmsg collector failed")  # status 200 checked inside
         success = {name: scrape.value("memtel_collector_success", collector=name)
                    for name in ("meminfo", "vmstat", "pressure", "nvml", "processes", "kmsg")}
         assert success["meminfo"] == 1
@@ -76,21 +77,23 @@ def test_faults_nvml_absent_kmsg_unreadable_and_a_raising_collector(tmp_path):
 
 
 def test_bad_input_exits_non_zero_with_a_clear_message(tmp_path):
+    """The configuration's refusals in this process (`check_config`: the same path up to --check-config); the
+    bad pattern through the console script, with a state directory that must stay unmade."""
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("listen: [\n")
-    result = run_cli("--config", str(bad_yaml))
+    result = check_config("--config", str(bad_yaml))
     assert result.returncode == 2 and "not valid YAML" in result.stderr and str(bad_yaml) in result.stderr
 
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("kmsg:\n  burst_windw_seconds: 3\n")
-    result = run_cli("--config", str(unknown))
+    result = check_config("--config", str(unknown))
     assert result.returncode == 2 and "unknown key(s) burst_windw_seconds" in result.stderr
 
     result = run_cli("--kmsg-pattern", "oops=[unclosed", "--state-dir", str(tmp_path / "s"))
     assert result.returncode == 2 and "bad regular expression '[unclosed'" in result.stderr
     assert not (tmp_path / "s").exists()  # nothing half-started
 
-    result = run_cli("--listen", "localhost")
+    result = check_config("--listen", "localhost")
     assert result.returncode == 2 and "'localhost' is not HOST:PORT" in result.stderr
 
 
@@ -110,7 +113,7 @@ def test_port_in_use_exits_with_a_clear_error_and_nothing_started(tmp_path):
 
 def test_check_config(tmp_path):
     example = Path(__file__).parents[2] / "configs" / "examples" / "daemon.yaml"
-    result = run_cli("--config", str(example), "--check-config")
+    result = check_config("--config", str(example))
     assert result.returncode == 0 and "configuration OK" in result.stdout
 
 
@@ -125,8 +128,8 @@ def test_kmsg_needs_cap_syslog_and_only_that(tmp_path):
     if _dmesg_restricted():
         without = ("setpriv", "--bounding-set=-syslog", "--inh-caps=-all")
         with Daemon(tmp_path / "a", "--disable-collector", "nvml", prefix=without) as daemon:
-            time.sleep(0.3)
-            scrape = daemon.scrape()
+            scrape = wait_for(lambda: (s := daemon.scrape()).value("memtel_collector_success", collector="kmsg")
+                              == 0 and s, what="the kmsg collector failed")
             assert scrape.value("memtel_collector_success", collector="kmsg") == 0
             assert scrape.value("memtel_collector_success", collector="meminfo") == 1
             assert scrape.value("memtel_kernel_nv_err_no_memory_total") is None
@@ -134,8 +137,8 @@ def test_kmsg_needs_cap_syslog_and_only_that(tmp_path):
         assert "CAP_SYSLOG" in daemon.log()
     only = ("setpriv", "--bounding-set=-all,+syslog", "--inh-caps=-all")
     with Daemon(tmp_path / "b", "--disable-collector", "nvml", prefix=only) as daemon:
-        time.sleep(0.3)
-        scrape = daemon.scrape()
+        scrape = wait_for(lambda: ((s := daemon.scrape()).value("memtel_kernel_kmsg_records_total") or 0) > 0
+                          and s, what="kernel log records counted")
         for name in ("meminfo", "vmstat", "processes", "kmsg"):
             assert scrape.value("memtel_collector_success", collector=name) == 1, name
         assert scrape.value("memtel_kernel_kmsg_records_total") > 0

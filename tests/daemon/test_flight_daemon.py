@@ -17,7 +17,8 @@ import pytest
 
 from telemetry.flight.recorder import CURRENT_RING, HEADROOM_SERIES, PREVIOUS_RING, FlightRecorder, series_key
 from telemetry.flight.ring import read_ring
-from tests.daemon.helpers import ROOT, Daemon, run_cli, static_exporter, wait_for
+from tests.daemon.helpers import ROOT, Daemon, all_started, check_config, run_cli, static_exporter, wait_for
+from tests.support.cli import call_main
 from tests.support.tmpfs import SmallTmpfs, fill
 
 PROC = Path(__file__).parents[1] / "fixtures" / "proc"
@@ -165,9 +166,13 @@ def test_a_disk_that_fills_up_later_does_not_stop_the_recording(tmp_path, small_
 
 
 # -- memtel flight show -----------------------------------------------------------------------------------
-def show(state: Path, *args: str, prelude: str = "pass") -> subprocess.CompletedProcess:
-    code = (f"import sys; {prelude}; from telemetry.cli import main; "
-            f"sys.exit(main(['flight', 'show', '--state-dir', {str(state)!r}, *{list(args)!r}]))")
+def show(state: Path, *args: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """`memtel flight show` in this process (`call_main`); with a `prelude` (code run first) or `--plot`
+    (matplotlib stays out of the test process) through a fresh Python, for the exit status the shell sees."""
+    argv = ["flight", "show", "--state-dir", str(state), *args]
+    if not prelude and "--plot" not in args:
+        return call_main(argv)
+    code = f"import sys; {prelude or 'pass'}; from telemetry.cli import main; sys.exit(main({argv!r}))"
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
@@ -219,8 +224,8 @@ def test_show_plots_a_png(recorded, tmp_path):
 @pytest.mark.parametrize(("args", "prelude", "code", "message"), [
     (("--plot", "x.png"), "sys.modules['matplotlib'] = None", 1, "needs matplotlib, which the harness extra installs"),
     (("--plot", "/"), "pass", 2, "expected a file name"),
-    (("--last", "soon"), "pass", 2, "is not a duration"),
-    (("--boot", "previous"), "pass", 2, "no ring of an earlier boot has been kept yet"),
+    (("--last", "soon"), "", 2, "is not a duration"),
+    (("--boot", "previous"), "", 2, "no ring of an earlier boot has been kept yet"),
 ])
 def test_show_bad_input_is_one_line(recorded, tmp_path, args, prelude, code, message):
     args = tuple(str(tmp_path / a) if a == "x.png" else a for a in args)
@@ -258,19 +263,24 @@ def test_show_a_damaged_ring(recorded):
     ("", ("--flight-duration", "1s"), "--flight-duration: expected a number from 10"),
 ])
 def test_bad_flight_configuration_is_one_line(tmp_path, yaml, flags, message):
+    """In this process through the CLI's entry function; the first case also through the console script, for
+    the exit status and the line the shell sees."""
     config = tmp_path / "daemon.yaml"
     config.write_text(yaml or "{}\n")
-    result = run_cli("--config", str(config), *flags, "--check-config")
+    result = check_config("--config", str(config), *flags)
     assert result.returncode == 2, result.stdout
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    if "interval_seconds: 0" in yaml:
+        shell = run_cli("--config", str(config), *flags, "--check-config")
+        assert (shell.returncode, shell.stdout, shell.stderr) == (2, "", result.stderr)
 
 
 def test_the_recorder_is_on_with_a_state_dir_and_off_when_asked(tmp_path):
     proc = proc_root(tmp_path, "on-off-boot")
-    with daemon(tmp_path, tmp_path / "on", proc) as d:
-        assert wait_for(lambda: d.scrape().value("memtel_flight_records_written_total"), what="a record")
-    with daemon(tmp_path, tmp_path / "off", proc, "--no-flight-recorder") as d:
-        scrape = d.scrape()
+    with all_started(daemon(tmp_path, tmp_path / "on", proc),
+                     daemon(tmp_path, tmp_path / "off", proc, "--no-flight-recorder")) as (on, off):
+        assert wait_for(lambda: on.scrape().value("memtel_flight_records_written_total"), what="a record")
+        scrape = off.scrape()
     assert scrape.value("memtel_flight_recording") is None
     assert not (tmp_path / "off" / "flight").exists()
 

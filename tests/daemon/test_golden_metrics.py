@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -52,12 +51,18 @@ def _fixture_daemon(tmp_path: Path) -> Daemon:
                   "--disable-collector", "processes")
 
 
-def test_metrics_match_the_golden_file(tmp_path):
-    with _fixture_daemon(tmp_path) as daemon:
+@pytest.fixture(scope="module")
+def fixture_scrape(tmp_path_factory) -> str:
+    """The /metrics text of one daemon on the fixtures, once it has read them all and recorded (both tests
+    read only this text)."""
+    with _fixture_daemon(tmp_path_factory.mktemp("golden")) as daemon:
         wait_for(lambda: daemon.scrape().value("memtel_kernel_kmsg_records_total") == 31, what="fixture read")
         wait_for(lambda: daemon.scrape().value("memtel_flight_recording") == 1, what="a flight record")
-        text = daemon.scrape().text
-    got = _normalise(text)
+        return daemon.scrape().text
+
+
+def test_metrics_match_the_golden_file(fixture_scrape):
+    got = _normalise(fixture_scrape)
     if os.environ.get("MEMTEL_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(got)
@@ -65,12 +70,9 @@ def test_metrics_match_the_golden_file(tmp_path):
 
 
 @pytest.mark.prometheus
-def test_promtool_finds_no_problems(tmp_path):
+def test_promtool_finds_no_problems(fixture_scrape):
     promtool = shutil.which("promtool")
     assert promtool, "promtool not found: apt-get install -y prometheus (scripts/test does it)"
-    with _fixture_daemon(tmp_path) as daemon:
-        time.sleep(0.3)
-        text = daemon.scrape().text
-    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    result = subprocess.run([promtool, "check", "metrics"], input=fixture_scrape, capture_output=True, text=True)
     problems = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert problems == []

@@ -11,11 +11,13 @@ import json
 import os
 import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.daemon.helpers import Daemon, read_kmsg, run_cli, wait_for
+from tests.support.cli import call_main
 from tests.support.tmpfs import SmallTmpfs, fill
 
 NOBODY = 65534
@@ -31,7 +33,7 @@ def xid_records(first_seq: int, count: int, codes: int = 1) -> str:
 @functools.cache
 def _only_kmsg_state() -> tuple[str, ...]:
     """The flight recorder (issue 11) writes in the state directory too; these tests are about the kmsg state."""
-    return ("--no-flight-recorder",) if "--no-flight-recorder" in run_cli("--help").stdout else ()
+    return ("--no-flight-recorder",) if "--no-flight-recorder" in call_main(["daemon", "--help"]).stdout else ()
 
 
 def kmsg_daemon(tmp_path: Path, state_dir: Path, log: Path, *args: str) -> Daemon:
@@ -157,33 +159,80 @@ def _corrupt_states(state_dir: Path) -> dict[str, object]:
     }
 
 
+@dataclass
+class CorruptRun:
+    """What one daemon did with one kind of corrupt state file (`corrupt_runs`)."""
+
+    path: Path  # the state file
+    rss: float = 0.0
+    log: str = ""
+    moved_aside: int = 0
+    records_saved: object = None
+    error: BaseException | None = None
+
+
+@pytest.fixture(scope="module")
+def corrupt_runs(tmp_path_factory) -> dict[str, CorruptRun]:
+    """One daemon per kind of corrupt state file, all started at once (each on its own state directory,
+    kernel log and port), waited for, scraped and stopped; the tests below assert one kind each."""
+    runs: dict[str, CorruptRun] = {}
+    daemons: dict[str, Daemon] = {}
+    for kind, content in _corrupt_states(Path("/tmp")).items():
+        tmp_path = tmp_path_factory.mktemp(kind)
+        state = tmp_path / "state"
+        state.mkdir(mode=0o700)
+        log = tmp_path / "kern.kmsg"
+        log.write_text(xid_records(1, 2))
+        path = state / STATE
+        if kind == "two_gigabytes":
+            with open(path, "wb") as f:
+                f.truncate(2 << 30)
+        elif content == "fifo":
+            os.mkfifo(path)
+        elif content == "dir":
+            path.mkdir()
+        else:
+            assert isinstance(content, bytes)
+            path.write_bytes(content.replace(b"SOURCE", str(log).encode()))
+        runs[kind] = CorruptRun(path)
+        daemons[kind] = kmsg_daemon(tmp_path, state, log)
+    try:
+        for daemon in daemons.values():
+            daemon.start(wait=False)
+        for kind, daemon in daemons.items():
+            try:
+                daemon.wait_ready()
+                wait_for(lambda d=daemon: records(d) == 2, timeout=15, what="the log counted from its start")
+                runs[kind].rss = daemon.scrape().value("process_resident_memory_bytes")
+            except (AssertionError, OSError) as exc:  # failed: said by this kind's test, the others go on
+                runs[kind].error = exc
+    finally:
+        for kind, daemon in daemons.items():
+            try:
+                daemon.stop()
+            except AssertionError as exc:  # did not stop on SIGTERM (killed): this kind's test says so
+                runs[kind].error = runs[kind].error or exc
+    for kind, run in runs.items():
+        run.log = daemons[kind].log()
+        run.moved_aside = len(list(run.path.parent.glob(f"{STATE}.corrupt-*")))
+        try:
+            run.records_saved = json.loads(run.path.read_text())["records"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            run.records_saved = f"unreadable: {exc!r}"
+    return runs
+
+
 @pytest.mark.parametrize("kind", list(_corrupt_states(Path("/tmp"))))
-def test_a_corrupt_state_file_of_any_kind_is_moved_aside_and_the_daemon_starts(tmp_path, kind):
+def test_a_corrupt_state_file_of_any_kind_is_moved_aside_and_the_daemon_starts(corrupt_runs, kind):
     # Before: deeply nested, giant-integer or 2 GB state files crashed the daemon (an OOM loop under MemoryMax).
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    log = tmp_path / "kern.kmsg"
-    log.write_text(xid_records(1, 2))
-    path = state / STATE
-    content = _corrupt_states(state)[kind]
-    if kind == "two_gigabytes":
-        with open(path, "wb") as f:
-            f.truncate(2 << 30)
-    elif content == "fifo":
-        os.mkfifo(path)
-    elif content == "dir":
-        path.mkdir()
-    else:
-        assert isinstance(content, bytes)
-        path.write_bytes(content.replace(b"SOURCE", str(log).encode()))
-    with kmsg_daemon(tmp_path, state, log) as daemon:
-        wait_for(lambda: records(daemon) == 2, timeout=15, what="the log counted from its start")
-        rss = daemon.scrape().value("process_resident_memory_bytes")
-    assert rss < 200 * 2**20  # the file was not read into memory
-    assert daemon.log().count(f"kmsg state file {path} is corrupt") == 1
-    assert len(list(state.glob(f"{STATE}.corrupt-*"))) == 1
-    assert json.loads(path.read_text())["records"] == 2  # a good state written again
-    assert "Traceback" not in daemon.log()
+    run = corrupt_runs[kind]
+    if run.error is not None:
+        raise AssertionError(f"{kind}: {run.error}\n{run.log}")
+    assert run.rss < 200 * 2**20  # the file was not read into memory
+    assert run.log.count(f"kmsg state file {run.path} is corrupt") == 1
+    assert run.moved_aside == 1
+    assert run.records_saved == 2  # a good state written again
+    assert "Traceback" not in run.log
 
 
 needs_kmsg = pytest.mark.skipif(not os.access("/dev/kmsg", os.R_OK), reason="needs to read /dev/kmsg (root)")
@@ -216,10 +265,8 @@ def test_a_sequence_number_that_went_backwards_is_a_new_boot_not_silence(tmp_pat
     (state / STATE).write_text(json.dumps(saved))
     daemon = Daemon(state, "--disable-collector", "nvml", "--disable-collector", "processes", *args)
     with daemon:
-        scrape = wait_for(lambda: (s := daemon.scrape()).value("memtel_kernel_kmsg_records_total") and s,
-                          what="records counted")
-        time.sleep(0.5)
-        scrape = daemon.scrape()
+        scrape = wait_for(lambda: ((s := daemon.scrape()).value("memtel_kernel_kmsg_records_total") or 0)
+                          >= 0.9 * len(ring) and s, what="the ring counted")
     assert "sequence numbers went backwards" in daemon.log()
     counted = scrape.value("memtel_kernel_kmsg_records_total")
     assert counted >= 0.9 * len(ring)  # the ring was counted, not skipped as "seen before"

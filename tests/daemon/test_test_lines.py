@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.helpers import ROOT, Daemon, wait_for
+from tests.daemon.helpers import ROOT, Daemon, all_started, wait_for
 from tests.support import kmsg as test_kmsg
 
 LINES = (
@@ -31,18 +31,19 @@ def _log_file(tmp_path: Path) -> Path:
 
 def test_marked_lines_raise_nothing_by_default_and_count_when_asked(tmp_path):
     log = _log_file(tmp_path)
-    with Daemon(tmp_path / "a", "--kmsg", str(log), "--disable-collector", "nvml") as default:
+    with all_started(Daemon(tmp_path / "a", "--kmsg", str(log), "--disable-collector", "nvml"),
+                     Daemon(tmp_path / "b", "--kmsg", str(log), "--disable-collector", "nvml",
+                            *test_kmsg.DAEMON_COUNTS_TEST_LINES)) as (default, counting):
         scrape = wait_for(lambda: (s := default.scrape()).value("memtel_kernel_kmsg_records_total") == 3 and s,
                           what="3 records read")
+        counted = wait_for(lambda: (s := counting.scrape()).value("memtel_kernel_kmsg_records_total") == 3 and s,
+                           what="3 records read")
     assert scrape.value("memtel_kernel_kmsg_ignored_test_lines_total") == 3
     assert scrape.value("memtel_kernel_nv_err_no_memory_total") == 0
     assert scrape.value("memtel_kernel_nvrm_errors_total") == 0
     assert scrape.value("memtel_kernel_oom_kills_total") == 0
     assert scrape.value("memtel_kernel_xid_total", xid="79") is None
-    with Daemon(tmp_path / "b", "--kmsg", str(log), "--disable-collector", "nvml",
-                *test_kmsg.DAEMON_COUNTS_TEST_LINES) as counting:
-        scrape = wait_for(lambda: (s := counting.scrape()).value("memtel_kernel_kmsg_records_total") == 3 and s,
-                          what="3 records read")
+    scrape = counted
     assert scrape.value("memtel_kernel_kmsg_ignored_test_lines_total") == 0
     assert scrape.value("memtel_kernel_nv_err_no_memory_total") == 1
     assert scrape.value("memtel_kernel_xid_total", xid="79") == 1

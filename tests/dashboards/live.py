@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -55,6 +56,12 @@ PROC_FIXTURES = {
     "pressure/memory": FIXTURES / "pressure-memory.x86_64-debian12-24g",
 }
 RUNBOOK_BASE = "https://runbooks.example.test/memtel/runbook.md"
+# The test stacks' only departures from the shipped timing: every job scraped every second (the shipped hook and
+# vLLM jobs: 5 s), and Alertmanager's default group_wait 1 s (shipped: 10 s). Routing, grouping, inhibition and
+# the rules are the shipped ones.
+TEST_SCRAPE_INTERVAL = "1s"
+TEST_GROUP_WAIT = "1s"
+GROUP_WAIT_S = 1.0
 
 
 def need(binary: str, package: str) -> str:
@@ -251,6 +258,13 @@ class PrometheusApi:
     def label_values(self, label: str, match: str) -> list[str]:
         return self.api(f"label/{label}/values", **{"match[]": match})
 
+    def alerts_within(self, seconds: float) -> list[dict]:
+        """Every alert pending or firing at some rule evaluation of the last `seconds` (from the ALERTS series
+        the rule manager writes at each one), as {"labels": ..., "state": ...}."""
+        rows = self.query(f"max_over_time(ALERTS[{seconds:.0f}s])")
+        return [{"labels": {k: v for k, v in row["metric"].items() if k not in ("__name__", "alertstate")},
+                 "state": row["metric"]["alertstate"]} for row in rows]
+
     def alerts(self, name: str | None = None, states: tuple[str, ...] = ("pending", "firing")) -> list[dict]:
         alerts = self.api("alerts")["alerts"]
         return [a for a in alerts if (name is None or a["labels"].get("alertname") == name) and a["state"] in states]
@@ -263,10 +277,14 @@ class PrometheusApi:
 
 
 def prometheus_config(config_dir: Path, rule_files: list[Path], alertmanager: str | None,
-                      evaluation_interval: str = "1s") -> Path:
-    """The shipped prometheus.yml in `config_dir` (whose targets/ the test fills) with absolute rule paths."""
+                      evaluation_interval: str = "1s", scrape_interval: str | None = TEST_SCRAPE_INTERVAL) -> Path:
+    """The shipped prometheus.yml in `config_dir` (whose targets/ the test fills) with absolute rule paths;
+    every job scraped every `scrape_interval` (None: the shipped intervals)."""
     config = yaml.safe_load(SHIPPED_PROMETHEUS.read_text())
     config["global"]["evaluation_interval"] = evaluation_interval
+    if scrape_interval is not None:
+        for job in config["scrape_configs"]:
+            job["scrape_interval"] = job["scrape_timeout"] = scrape_interval
     config["global"]["external_labels"]["runbook_base"] = RUNBOOK_BASE
     config["rule_files"] = [str(path) for path in rule_files]
     if alertmanager is None:
@@ -289,9 +307,11 @@ def start_prometheus(tmp: Path, config_path: Path, client: httpx.Client) -> tupl
     return process, api
 
 
-def alertmanager_config(webhook_url: str) -> dict:
-    """The shipped alertmanager.yml with every webhook pointed at `webhook_url`."""
+def alertmanager_config(webhook_url: str, group_wait: str = TEST_GROUP_WAIT) -> dict:
+    """The shipped alertmanager.yml with every webhook pointed at `webhook_url` and the default route's
+    group_wait shortened to `group_wait` (the critical route's 0 s stays)."""
     config = yaml.safe_load(SHIPPED_ALERTMANAGER.read_text())
+    config["route"]["group_wait"] = group_wait
     for receiver in config["receivers"]:
         for webhook in receiver.get("webhook_configs", []):
             webhook["url"] = webhook_url
@@ -344,7 +364,9 @@ class TwoNodeStack:
     rest_alerts: list[dict] = field(default_factory=list)
     rest_webhook: list[dict] = field(default_factory=list)
 
-    def start(self) -> TwoNodeStack:
+    def start(self, extra_targets: dict[str, list[dict]] | None = None) -> TwoNodeStack:
+        """Start everything; `extra_targets` are more targets files (name -> groups) for Prometheus to scrape
+        besides the nodes' (a file named daemon-*.yml is scraped as the memtel-daemon job)."""
         need("prometheus", "prometheus")
         need("prometheus-alertmanager", "prometheus-alertmanager")
         env = child_env()
@@ -363,6 +385,8 @@ class TwoNodeStack:
         config_dir = self.tmp / "prometheus"
         (config_dir / "targets").mkdir(parents=True)
         self._write_targets(config_dir / "targets")
+        for name, groups in (extra_targets or {}).items():
+            (config_dir / "targets" / name).write_text(yaml.safe_dump(groups))
         config = prometheus_config(config_dir, RULE_FILES, self.alertmanager_url.removeprefix("http://"))
         prometheus, self.prometheus = start_prometheus(self.tmp, config, self.client)
         self.processes.append(prometheus)
@@ -432,6 +456,19 @@ class TwoNodeStack:
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} ---\n{p.log_tail()}" for p in self.processes)
+
+    def add_huge_page_faults(self, node: LiveNode, alloc: int, fallback: int) -> None:
+        """Huge-page faults on the node as the kernel counts them: the thp_fault_alloc and thp_fault_fallback
+        counters of its /proc view's vmstat grow (rewritten in place: the daemon keeps the file open)."""
+        path = self.tmp / node.ip / "proc" / "vmstat"
+        text = path.read_text()
+        for name, more in (("thp_fault_alloc", alloc), ("thp_fault_fallback", fallback)):
+            match = re.search(rf"^{name} (\d+)$", text, flags=re.MULTILINE)
+            assert match, f"{path}: no {name} line"
+            text = f"{text[:match.start(1)]}{int(match.group(1)) + more}{text[match.end(1):]}"
+        with open(path, "r+") as vmstat:
+            vmstat.write(text)
+            vmstat.truncate()
 
     def start_growing(self) -> None:
         """Every hook process leaves rest: growing logits, failing reads, a target that cannot be installed."""

@@ -32,6 +32,10 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # main() imports it when it runs
+    from telemetry.model.allocsim import CachingAllocatorSim
 
 ROWS = 64
 FLOAT32 = 4
@@ -95,7 +99,7 @@ class Worker:
         self.model_runner.kv_caches = [_Tensor(4 << 30, 32 << 20)]     # 32 MiB of "KV cache"
 
 
-def logits_chunk(allocator, width: int) -> None:
+def logits_chunk(allocator: CachingAllocatorSim, width: int) -> None:
     """One prefill chunk's logits: allocate [ROWS, width] float32 and free it (the cache keeps it)."""
     allocator.free(allocator.malloc(ROWS * width * FLOAT32))
 

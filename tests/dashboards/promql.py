@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def load_dashboard(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def iter_panels(dashboard: dict):
+def iter_panels(dashboard: dict) -> Iterator[dict]:
     for panel in dashboard.get("panels", []):
         yield panel
         yield from panel.get("panels", [])  # panels of a collapsed row
@@ -122,7 +123,7 @@ def promql_regex_literal(value: str) -> str:
 _COMPARISON = re.compile(r"==|!=|>=|<=|>|<")
 
 
-def _outside_brackets(expr: str):
+def _outside_brackets(expr: str) -> Iterator[tuple[int, str]]:
     """Yield (index, char) of characters outside {...}, [...] and string literals."""
     depth_brace = depth_bracket = 0
     quote = None

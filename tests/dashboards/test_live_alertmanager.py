@@ -1,9 +1,11 @@
 """The shipped Alertmanager configuration, live: routing, grouping by node and both inhibition rules.
 
 A real Alertmanager (Debian's prometheus-alertmanager) runs configs/alertmanager/alertmanager.yml with
-its webhook pointed at a receiver in this test. The alerts are posted to Alertmanager's own API as
-Prometheus would post them, with the labels memtel's rules give (the rules themselves are exercised end
-to end, NV_ERR alert to webhook, in test_live_prometheus.py).
+its webhook pointed at a receiver in the test process and its default group_wait shortened to 1 s: the
+package's live stack (tests/dashboards/conftest.py), shared with the Prometheus tests. The alerts are posted
+to Alertmanager's own API as Prometheus would post them, with the labels memtel's rules give (the rules
+themselves are exercised end to end, NV_ERR alert to webhook, in test_live_prometheus.py), on nodes of their
+own (am-spark-*), so that nothing another test sends is silenced by them or counted here.
 """
 
 from __future__ import annotations
@@ -11,14 +13,13 @@ from __future__ import annotations
 import time
 from datetime import datetime, timedelta, timezone
 
-import httpx
 import pytest
 
-from tests.dashboards.live import WebhookReceiver, start_alertmanager, wait_until
+from tests.dashboards.live import GROUP_WAIT_S, wait_until
 
-pytestmark = [pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(240)]  # the stack's start included
 
-GROUP_WAIT_S = 10  # the shipped route's group_wait
+NODES = ("am-spark-a", "am-spark-b", "am-spark-c")
 
 
 def alert(name: str, node: str, severity: str, family: str, **labels: str) -> dict:
@@ -36,50 +37,38 @@ def firing_now(alerts: list[dict]) -> list[dict]:
 
 
 POSTED = [
-    # spark-b is down: its target-down alert adds nothing.
-    alert("MemtelNodeDown", "spark-b", "critical", "node"),
-    alert("MemtelTargetDown", "spark-b", "warning", "telemetry", job="memtel-hook", instance="192.168.100.12:9200"),
-    # spark-a: the critical headroom alert silences the warning of its family, not of other families.
-    alert("MemtelUnifiedHeadroomLow", "spark-a", "critical", "host-memory"),
-    alert("MemtelContiguousMemoryExhausted", "spark-a", "warning", "host-memory"),
-    alert("MemtelAllocatorRetries", "spark-a", "warning", "allocator", rank="0"),
-    alert("MemtelTargetDown", "spark-a", "warning", "telemetry", job="memtel-vllm", instance="192.168.100.11:8000"),
-    # A warning of the host-memory family on another node is not silenced by spark-a's critical alert.
-    alert("MemtelContiguousMemoryExhausted", "spark-c", "warning", "host-memory"),
+    # am-spark-b is down: its target-down alert adds nothing.
+    alert("MemtelNodeDown", "am-spark-b", "critical", "node"),
+    alert("MemtelTargetDown", "am-spark-b", "warning", "telemetry", job="memtel-hook",
+          instance="192.168.100.12:9200"),
+    # am-spark-a: the critical headroom alert silences the warning of its family, not of other families.
+    alert("MemtelUnifiedHeadroomLow", "am-spark-a", "critical", "host-memory"),
+    alert("MemtelContiguousMemoryExhausted", "am-spark-a", "warning", "host-memory"),
+    alert("MemtelAllocatorRetries", "am-spark-a", "warning", "allocator", rank="0"),
+    alert("MemtelTargetDown", "am-spark-a", "warning", "telemetry", job="memtel-vllm",
+          instance="192.168.100.11:8000"),
+    # A warning of the host-memory family on another node is not silenced by am-spark-a's critical alert.
+    alert("MemtelContiguousMemoryExhausted", "am-spark-c", "warning", "host-memory"),
 ]
-DELIVERED = {("MemtelNodeDown", "spark-b"), ("MemtelUnifiedHeadroomLow", "spark-a"),
-             ("MemtelAllocatorRetries", "spark-a"), ("MemtelTargetDown", "spark-a"),
-             ("MemtelContiguousMemoryExhausted", "spark-c")}
-SUPPRESSED = {("MemtelTargetDown", "spark-b"), ("MemtelContiguousMemoryExhausted", "spark-a")}
+DELIVERED = {("MemtelNodeDown", "am-spark-b"), ("MemtelUnifiedHeadroomLow", "am-spark-a"),
+             ("MemtelAllocatorRetries", "am-spark-a"), ("MemtelTargetDown", "am-spark-a"),
+             ("MemtelContiguousMemoryExhausted", "am-spark-c")}
+SUPPRESSED = {("MemtelTargetDown", "am-spark-b"), ("MemtelContiguousMemoryExhausted", "am-spark-a")}
 
 
-@pytest.fixture
-def alertmanager(tmp_path):
-    webhook = WebhookReceiver()
-    client = httpx.Client(timeout=10.0)
-    process = None
-    try:
-        process, url = start_alertmanager(tmp_path, webhook.url, client)
-        yield url, webhook, client
-    except BaseException:
-        if process is not None:
-            print(process.log_tail())
-        raise
-    finally:
-        if process is not None:
-            process.stop()
-        webhook.stop()
-        client.close()
-
-
-def test_node_down_and_critical_alerts_silence_what_they_explain(alertmanager):
-    url, webhook, client = alertmanager
+def test_node_down_and_critical_alerts_silence_what_they_explain(live_stack):
+    stack = live_stack.nodes
+    url, webhook, client = stack.alertmanager_url, stack.webhook, stack.client
+    assert webhook is not None
     response = client.post(f"{url}/api/v2/alerts", json=firing_now(POSTED))
     assert response.status_code == 200, response.text
 
     def states() -> dict[tuple[str, str], dict]:
         return {(a["labels"]["alertname"], a["labels"]["node"]): a["status"]
-                for a in client.get(f"{url}/api/v2/alerts").json()}
+                for a in client.get(f"{url}/api/v2/alerts").json() if a["labels"].get("node") in NODES}
+
+    def ours() -> list[dict]:
+        return [a for a in webhook.alerts() if a["labels"].get("node") in NODES]
 
     status = wait_until("Alertmanager has judged every alert",
                         lambda: (s := states()) and len(s) == len(POSTED) and
@@ -88,12 +77,14 @@ def test_node_down_and_critical_alerts_silence_what_they_explain(alertmanager):
     assert all(status[k]["inhibitedBy"] for k in SUPPRESSED), status
 
     wait_until("every delivered alert at the webhook",
-               lambda: {(a["labels"]["alertname"], a["labels"]["node"]) for a in webhook.alerts()} >= DELIVERED,
+               lambda: {(a["labels"]["alertname"], a["labels"]["node"]) for a in ours()} >= DELIVERED,
                timeout=GROUP_WAIT_S + 20)
-    time.sleep(2)
-    delivered = {(a["labels"]["alertname"], a["labels"]["node"]) for a in webhook.alerts()}
+    time.sleep(GROUP_WAIT_S + 1)  # past group_wait: a suppressed alert would have been posted by now
+    delivered = {(a["labels"]["alertname"], a["labels"]["node"]) for a in ours()}
     assert delivered == DELIVERED, f"delivered {delivered}"
-    for body in webhook.notifications():
+    bodies = [b for b in webhook.notifications() if b.get("groupLabels", {}).get("node") in NODES]
+    assert bodies
+    for body in bodies:
         # One notification per node and alert name; absolute runbook links survive the trip.
         assert set(body["groupLabels"]) == {"node", "alertname"}, body["groupLabels"]
         assert len({(a["labels"]["alertname"], a["labels"]["node"]) for a in body["alerts"]}) == 1

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.dashboards import promql
+from tests.dashboards.promtool_runs import FileOutcome, run_unit_tests
 
 pytestmark = pytest.mark.prometheus
 
@@ -53,7 +54,10 @@ def test_promtool_check_rules():
 
 def test_promtool_test_rules():
     assert UNIT_TESTS, "no unit tests in dashboards/prometheus/tests"
-    assert_ok(promtool("test", "rules", *map(str, UNIT_TESTS)))
+    outcomes = run_unit_tests(UNIT_TESTS)
+    failed = [o.output for o in outcomes.values() if not o.passed]
+    assert not failed, "\n".join(failed)
+    assert set(outcomes) == set(UNIT_TESTS)
 
 
 def test_promtool_check_config_with_rule_files():
@@ -222,7 +226,8 @@ def test_every_alert_has_unit_tests_that_fire_and_stay_quiet():
     assert names - quiet == set(), f"alerts never shown to stay quiet: {sorted(names - quiet)}"
 
 
-@pytest.mark.parametrize("alert, naive_expr, unit_tests", [
+# (alert, a plausible but wrong expression for it, the unit-test file that must catch it)
+NAIVE_RULES = [
     # Would page on every line replayed from the ring buffer and on every restart.
     ("MemtelNvErrNoMemory", "memtel_kernel_nv_err_no_memory_total > 0", "kernel_log_test.yml"),
     # Would page on a counter reset after a daemon restart.
@@ -250,11 +255,21 @@ def test_every_alert_has_unit_tests_that_fire_and_stay_quiet():
     # Swap in pages: 16x apart between 4 KiB and 64 KiB page kernels.
     ("MemtelSwapping", "rate(memtel_node_vmstat_pswpin_total[5m]) + rate(memtel_node_vmstat_pswpout_total[5m]) "
      "> 100", "host_memory_test.yml"),
-])
-@pytest.mark.slow
-def test_unit_tests_reject_a_naive_rule(tmp_path, alert, naive_expr, unit_tests):
-    """The unit tests have teeth: swapping in a plausible but wrong expression makes them fail."""
-    (tmp_path / "tests").mkdir()
+]
+
+
+def _cases_of(alert: str, unit_tests: str) -> list[dict]:
+    """The test groups of the file that can see `alert`: those that check it (alert_rule_test) or query it or
+    ALERTS (promql_expr_test). Changing one alert's expression changes nothing any other group looks at."""
+    cases = yaml.safe_load((RULES_DIR / "tests" / unit_tests).read_text())
+    return [case for case in cases["tests"]
+            if any(check["alertname"] == alert for check in case.get("alert_rule_test", []))
+            or any(alert in check["expr"] or "ALERTS" in check["expr"] for check in case.get("promql_expr_test", []))]
+
+
+def _naive_unit_test(directory: Path, alert: str, naive_expr: str, unit_tests: str) -> Path:
+    """A copy of the rules with `alert`'s expression replaced, and of the unit-test file's groups that see it."""
+    (directory / "tests").mkdir(parents=True)
     groups = yaml.safe_load((RULES_DIR / "memtel-alerts.yml").read_text())
     replaced = 0
     for group in groups["groups"]:
@@ -263,12 +278,34 @@ def test_unit_tests_reject_a_naive_rule(tmp_path, alert, naive_expr, unit_tests)
                 rule["expr"] = naive_expr
                 replaced += 1
     assert replaced == 1, alert
-    (tmp_path / "memtel-alerts.yml").write_text(yaml.safe_dump(groups, sort_keys=False))
-    shutil.copy(RULES_DIR / "memtel-recording.yml", tmp_path)
-    shutil.copy(RULES_DIR / "tests" / unit_tests, tmp_path / "tests")
-    result = promtool("test", "rules", f"tests/{unit_tests}", cwd=tmp_path)
-    assert result.returncode != 0, f"the unit tests accepted {alert} = {naive_expr!r}"
-    assert alert in result.stdout + result.stderr
+    (directory / "memtel-alerts.yml").write_text(yaml.safe_dump(groups, sort_keys=False))
+    shutil.copy(RULES_DIR / "memtel-recording.yml", directory)
+    unit = yaml.safe_load((RULES_DIR / "tests" / unit_tests).read_text())
+    unit["tests"] = _cases_of(alert, unit_tests)
+    assert unit["tests"], f"{unit_tests} has no test group that checks {alert}"
+    path = directory / "tests" / unit_tests
+    path.write_text(yaml.safe_dump(unit, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def naive_outcomes(tmp_path_factory) -> dict[int, FileOutcome]:
+    """Every naive rule's unit tests, all in one batch of promtool runs (case number -> its outcome)."""
+    root = tmp_path_factory.mktemp("naive-rules")
+    paths = [_naive_unit_test(root / str(n), *case) for n, case in enumerate(NAIVE_RULES)]
+    outcomes = run_unit_tests(paths)
+    return {n: outcomes[path] for n, path in enumerate(paths)}
+
+
+@pytest.mark.parametrize("case", range(len(NAIVE_RULES)),
+                         ids=[f"{alert}-{expr}-{file}" for alert, expr, file in NAIVE_RULES])
+@pytest.mark.slow
+def test_unit_tests_reject_a_naive_rule(naive_outcomes, case):
+    """The unit tests have teeth: swapping in a plausible but wrong expression makes them fail."""
+    alert, naive_expr, _ = NAIVE_RULES[case]
+    outcome = naive_outcomes[case]
+    assert not outcome.passed, f"the unit tests accepted {alert} = {naive_expr!r}:\n{outcome.output}"
+    assert alert in outcome.output, outcome.output
 
 
 def _runbook_anchors(level: int | None = None) -> set[str]:

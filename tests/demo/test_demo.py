@@ -45,12 +45,27 @@ def _child_sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _replay(tokens: int, allocator: str = "sim") -> dict:
-    result = subprocess.run([sys.executable, "-m", "telemetry", "replay", "--allocator", allocator, "--json",
+def _start_replay(tokens: int, allocator: str = "sim") -> subprocess.Popen:
+    """`memtel replay` for the small demo's shapes, started (read it with _replay_result)."""
+    return subprocess.Popen([sys.executable, "-m", "telemetry", "replay", "--allocator", allocator, "--json",
                              "--tokens", str(tokens), "--chunk", "4096", "--layers", "3", "--max-model-len", "32768",
-                             "--budget-mb", "64"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)["arms"]
+                             "--budget-mb", "64"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+
+
+def _replay_result(process: subprocess.Popen) -> dict:
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    return json.loads(stdout)["arms"]
+
+
+def _replay(tokens: int, allocator: str = "sim") -> dict:
+    return _replay_result(_start_replay(tokens, allocator))
 
 
 def _leftovers(out: Path) -> list[str]:
@@ -77,6 +92,15 @@ def _leftovers(out: Path) -> list[str]:
     return found
 
 
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _scrapes_after(out: Path) -> dict:
     """(arm, step) -> rank scrapes after the request, from results.jsonl."""
     scrapes = {}
@@ -91,7 +115,12 @@ def _scrapes_after(out: Path) -> dict:
 def test_demo_runs_the_whole_pipeline_and_agrees_with_replay(tmp_path):
     out = tmp_path / "run"
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
-    result = _demo(out, "--allocator", "sim", "--scale", "1", *SMALL)
+    # `memtel replay` for the same shapes, run as its own command while the demo runs (read below).
+    replaying = {tokens: _start_replay(tokens) for tokens in (8192, 16384)}
+    try:
+        result = _demo(out, "--allocator", "sim", "--scale", "1", *SMALL)
+    finally:
+        replays = {tokens: _replay_result(process) for tokens, process in replaying.items()}  # each has both arms
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"Report: {out / 'report.md'}" in result.stdout
     report = (out / "report.md").read_text()
@@ -114,11 +143,11 @@ def test_demo_runs_the_whole_pipeline_and_agrees_with_replay(tmp_path):
     notes = json.loads((out / "demo-summary.json").read_text())
     assert notes["prediction_agrees"] is True
 
-    # The ranks' numbers against `memtel replay` for the same shapes, run here as its own command.
+    # The ranks' numbers against `memtel replay` for the same shapes, run as its own command.
     scrapes = _scrapes_after(out)
     for arm in ("stock", "fixed"):
-        replay_one = _replay(8192)[arm]
-        replay_two = _replay(16384)[arm]
+        replay_one = replays[8192][arm]
+        replay_two = replays[16384][arm]
         for rank in ("rank0", "rank1"):
             first, second, third = (scrapes[(arm, step)][rank]
                                     for step in ("step1-8192", "step2-8192", "step3-16384"))
@@ -161,13 +190,14 @@ def test_demo_runs_the_whole_pipeline_and_agrees_with_replay(tmp_path):
     daemon = subprocess.Popen([sys.executable, "-m", "telemetry", *daemon_argv[1:]], cwd=ROOT, env=_env(),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        (node_url,) = yaml.safe_load((out / "ladder.yaml").read_text())["nodes"].values()
+        deadline = time.monotonic() + 30
+        while not _answers(node_url):  # the daemon answers within a few seconds
+            assert daemon.poll() is None and time.monotonic() < deadline, "the daemon of ladder.yaml's comment"
+            time.sleep(0.1)
         argv = rerun[1].replace("OTHER", str(again)).split()
-        for _ in range(50):  # the daemon answers within a few seconds
-            done = subprocess.run([sys.executable, "-m", "telemetry", *argv[1:]], cwd=ROOT, env=_env(),
-                                  capture_output=True, text=True, timeout=240)
-            if "is not reachable" not in done.stderr:
-                break
-            time.sleep(0.2)
+        done = subprocess.run([sys.executable, "-m", "telemetry", *argv[1:]], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=240)
     finally:
         daemon.terminate()
         daemon.wait(20)
@@ -207,13 +237,13 @@ def test_ctrl_c_stops_everything(tmp_path):
     try:
         deadline = time.monotonic() + 90
         results = out / "results.jsonl"
-        while time.monotonic() < deadline:
-            if results.exists() and '"event": "request"' not in results.read_text() and \
-                    '"serve_ready"' in results.read_text():
+        while time.monotonic() < deadline:  # the node sampled during the first request: a prefill is running
+            text = results.read_text() if results.exists() else ""
+            if '"event": "node_sample"' in text:
                 break
             assert process.poll() is None, process.communicate()
-            time.sleep(0.2)
-        time.sleep(1.0)  # a prefill is running now
+            time.sleep(0.1)
+        assert '"event": "request"' not in text, "the first request ended before the interrupt"
         process.send_signal(signal.SIGINT)
         stdout, stderr = process.communicate(timeout=60)
     finally:
@@ -222,18 +252,45 @@ def test_ctrl_c_stops_everything(tmp_path):
             process.wait()
     assert process.returncode == 130, stdout[-2000:] + stderr[-2000:]
     assert "interrupted" in stderr
-    time.sleep(0.5)
+    deadline = time.monotonic() + 2  # a process that has just exited may still be listed for a moment
+    while _leftovers(out) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _leftovers(out) == []
 
 
-@pytest.mark.parametrize("budget_mb", ["0.5", "3.3"])
+FRACTIONAL_BUDGETS = ("0.5", "3.3")
+
+
+@pytest.fixture(scope="module")
+def fractional_demos(tmp_path_factory):
+    """One small demo per fractional budget, all started at once (independent runs: their own ports and
+    directories; one demo keeps about one core busy): budget -> (process, run directory)."""
+    runs = {}
+    try:
+        for budget_mb in FRACTIONAL_BUDGETS:
+            top = tmp_path_factory.mktemp(f"budget-{budget_mb}")
+            with open(top / "stdout", "wb") as stdout, open(top / "stderr", "wb") as stderr:  # files: never blocks
+                runs[budget_mb] = (subprocess.Popen(
+                    [sys.executable, "-m", "telemetry", "demo", "--out", str(top / "run"), "--allocator", "sim",
+                     "--steps", "4096,6144", "--chunk", "2048", "--layers", "2", "--max-model-len", "16384",
+                     "--budget-mb", budget_mb, "--time-scale", "0", "--scale", "0.5"], cwd=ROOT, env=_env(),
+                    stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL), top)
+        yield runs
+    finally:
+        for process, _ in runs.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("budget_mb", FRACTIONAL_BUDGETS)
 @pytest.mark.slow
-def test_demo_agrees_with_itself_at_a_fractional_budget(tmp_path, budget_mb):
+def test_demo_agrees_with_itself_at_a_fractional_budget(fractional_demos, budget_mb):
     """`--budget-mb 96.5` once gave a prediction that disagreed with the servers, and 0.5 crashed it."""
-    out = tmp_path / "run"
-    result = _demo(out, "--allocator", "sim", "--steps", "4096,6144", "--chunk", "2048", "--layers", "2",
-                   "--max-model-len", "16384", "--budget-mb", budget_mb, "--time-scale", "0", "--scale", "0.5")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    process, top = fractional_demos[budget_mb]
+    process.wait(timeout=240)
+    out = top / "run"
+    assert process.returncode == 0, (top / "stdout").read_text()[-3000:] + (top / "stderr").read_text()[-3000:]
     notes = json.loads((out / "demo-summary.json").read_text())
     assert notes["prediction_agrees"] is True
     assert notes["setup"]["logits_budget_bytes"] == int(float(budget_mb) * MIB)
@@ -246,11 +303,22 @@ def test_demo_agrees_with_itself_at_a_fractional_budget(tmp_path, budget_mb):
     (["--scale", "0"], "expected a number in (0, 1], got 0.0"),
     (["--allocator", "tpu"], "invalid choice: 'tpu'"),
 ])
-def test_bad_demo_arguments_fail_before_anything_starts(tmp_path, args, expected):
-    result = _demo(tmp_path / "bad", *args, timeout=60)
-    assert result.returncode == 2
-    assert expected in result.stderr
+def test_bad_demo_arguments_fail_before_anything_starts(tmp_path, capsys, args, expected):
+    """Through the CLI's entry function in this process (argparse's errors exit 2 by SystemExit, the demo's own
+    by the code main returns); the command as a process exits with the same code (the first case)."""
+    from telemetry.cli import main
+
+    try:
+        code = main(["demo", "--out", str(tmp_path / "bad"), *args])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    assert expected in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+    if args == ["--steps", "10,20"]:
+        result = _demo(tmp_path / "bad", *args, timeout=60)
+        assert result.returncode == 2 and expected in result.stderr
+        assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.gpu

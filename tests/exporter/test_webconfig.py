@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import yaml
 
-from tests.daemon.helpers import Daemon, run_cli
+from tests.daemon.helpers import Daemon, check_config, run_cli
 from tests.support.certs import Certs, make_certs
 from tests.support.extras import need
 
@@ -101,7 +101,7 @@ def test_relative_paths_are_relative_to_the_web_config_file(tmp_path, certs):
     shutil.copy(certs.server_cert, tmp_path / "server.crt")
     shutil.copy(certs.server_key, tmp_path / "server.key")
     config = web_config(tmp_path, {"tls_server_config": {"cert_file": "server.crt", "key_file": "server.key"}})
-    result = run_cli("--web-config", config, "--check-config")
+    result = check_config("--web-config", config)
     assert result.returncode == 0 and "TLS" in result.stdout, result.stderr
 
 
@@ -142,12 +142,17 @@ def _bad_configs(tmp_path, certs) -> list[tuple[str, str]]:
 
 @pytest.mark.slow
 def test_a_bad_web_config_is_one_line_and_exit_2(tmp_path, certs):
+    """Each bad config twice: with --check-config in this process (`check_config`), and starting the real
+    daemon (a subprocess), which must refuse it before making its state directory."""
     failures = []
     for i, (text, expected) in enumerate(_bad_configs(tmp_path, certs)):
         path = tmp_path / f"bad-{i}.yml"
         path.write_text(text)
         for extra in (("--check-config",), ("--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / f"s{i}"))):
-            result = run_cli("--web-config", str(path), *extra)
+            if extra == ("--check-config",):
+                result = check_config("--web-config", str(path))
+            else:
+                result = run_cli("--web-config", str(path), *extra)
             lines = result.stderr.strip().splitlines()
             if (result.returncode != 2 or len(lines) != 1 or expected not in lines[0]
                     or "Traceback" in result.stderr or (tmp_path / f"s{i}").exists()):

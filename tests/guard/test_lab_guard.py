@@ -36,8 +36,17 @@ class Node:
         self.free = [base + 2 + i for i in range(6)]
         self.tmp = tmp
         self.log = tmp / f"node-{base}.log"
-        self.node = start_node(self.port, self.hook_port, CAPACITY_GB, self.log, time_scale=0.01)
         self.guards: list[Process] = []
+        self._node: Process | None = None
+
+    def start(self) -> Node:
+        self._node = start_node(self.port, self.hook_port, CAPACITY_GB, self.log, time_scale=0.01)
+        return self
+
+    @property
+    def node(self) -> Process:
+        assert self._node is not None, "the node was not started"
+        return self._node
 
     @property
     def url(self) -> str:
@@ -70,10 +79,15 @@ class Node:
     def out_of_memory_lines(self) -> list[str]:
         return [line for line in self.log.read_text(errors="replace").splitlines() if "NV_ERR_NO_MEMORY" in line]
 
+    def guard_log(self, url: str) -> Path:
+        """The log of the guard at `url` (from guard())."""
+        return self.tmp / f"guard-{url.rsplit(':', 1)[1]}.log"
+
     def stop(self) -> None:
         for guard in self.guards:
             guard.stop()
-        self.node.stop()
+        if self._node is not None:
+            self._node.stop()
 
 
 def wait_until(condition, timeout: float, what: str) -> None:
@@ -143,8 +157,10 @@ def reset_prefix_cache(node: Node) -> None:
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
+    """A node with a guard in front, for every test that keeps it serving (the blind test, last, adds two more)."""
     node = Node(tmp_path_factory.mktemp("lab-guard"))
     try:
+        node.start()
         url, metrics = node.guard()
         yield node, url, metrics
     finally:
@@ -219,6 +235,7 @@ def test_four_prompts_that_fit_alone_but_not_together_some_are_refused_none_runs
 def test_without_the_guard_the_1m_prompt_kills_the_node(tmp_path):
     node = Node(tmp_path)
     try:
+        node.start()
         assert complete(node.url, 100_000, seed=2)[0] == 200
         status, body, _ = complete(node.url, 1_048_576, seed=3)
         assert status == 500 and body["error"]["type"] == "InternalServerError"
@@ -232,46 +249,43 @@ def test_without_the_guard_the_1m_prompt_kills_the_node(tmp_path):
         node.stop()
 
 
-def test_blind_when_the_hook_stops_then_the_limit_again(tmp_path):
-    node = Node(tmp_path)
+def test_blind_when_the_hook_stops_then_the_limit_again(guarded):
+    node = guarded[0]  # the kept node, after the tests above; two more guards in front of it
+    admit_url, admit_metrics = node.guard("--stale-s", "6")
+    reject_url, reject_metrics = node.guard("--stale-s", "6", "--when-blind", "reject")
+    rank = node.rank_process()
+    logs = [node.guard_log(admit_url), node.guard_log(reject_url)]
+    # A guard started beside a fresh node may have been blind until the first forecast: count from here.
+    episodes = {m: scrape(f"http://127.0.0.1:{m}/metrics")["memtel_guard_blind_episodes_total"]
+                for m in (admit_metrics, reject_metrics)}
+    lines = {log: log.read_text().count("is blind") for log in logs}
+    rank.send_signal(signal.SIGSTOP)  # the hook's exporter (in the rank) stops answering
     try:
-        admit_url, admit_metrics = node.guard("--stale-s", "6")
-        reject_url, reject_metrics = node.guard("--stale-s", "6", "--when-blind", "reject")
-        rank = node.rank_process()
-        logs = sorted(tmp_path.glob("guard-*.log"))
-        # A guard started beside a fresh node may have been blind until the first forecast: count from here.
-        episodes = {m: scrape(f"http://127.0.0.1:{m}/metrics")["memtel_guard_blind_episodes_total"]
-                    for m in (admit_metrics, reject_metrics)}
-        lines = {log: log.read_text().count("is blind") for log in logs}
-        rank.send_signal(signal.SIGSTOP)  # the hook's exporter (in the rank) stops answering
-        try:
-            for metrics in (admit_metrics, reject_metrics):
-                wait_until(lambda m=metrics: scrape(f"http://127.0.0.1:{m}/metrics").get("memtel_guard_blind") == 1,
-                           30, "the guard to be blind")
-            outcome = post_completion(reject_url, 32_768, seed=1, timeout_s=30)
-            assert outcome.status == 503 and outcome.error_type == "memtel_guard_blind", outcome
-            assert outcome.fields["hooks"] == [f"http://127.0.0.1:{node.hook_port}/metrics"]
-            assert get_status(reject_url + "/health") == 503  # refusing everything: down for a load balancer
-            # admit: forwarded unchecked (the stopped rank answers once it runs again)
-            result: list = []
-            thread = threading.Thread(target=lambda: result.append(post_completion(admit_url, 1_000, seed=2)))
-            thread.start()
-            wait_until(lambda: scrape(f"http://127.0.0.1:{admit_metrics}/metrics").get(
-                "memtel_guard_blind_decisions_total", 0) >= 1, 30, "the admit guard to decide blind")
-        finally:
-            rank.send_signal(signal.SIGCONT)
-        thread.join(120)
-        assert result and result[0].status == 200, result
         for metrics in (admit_metrics, reject_metrics):
-            settled(metrics)
-            values = scrape(f"http://127.0.0.1:{metrics}/metrics")
-            assert values["memtel_guard_blind"] == 0
-            assert values["memtel_guard_blind_episodes_total"] == episodes[metrics] + 1
-        assert get_status(reject_url + "/health") == 200
-        for url in (admit_url, reject_url):
-            outcome = post_completion(url, 1_048_576, seed=3)
-            assert outcome.status == 503 and outcome.error_type == "memtel_would_not_fit", outcome
-            assert post_completion(url, 1_000, seed=4).status == 200
-        assert len(logs) == 2 and all(log.read_text().count("is blind") == lines[log] + 1 for log in logs)
+            wait_until(lambda m=metrics: scrape(f"http://127.0.0.1:{m}/metrics").get("memtel_guard_blind") == 1,
+                       30, "the guard to be blind")
+        outcome = post_completion(reject_url, 32_768, seed=1, timeout_s=30)
+        assert outcome.status == 503 and outcome.error_type == "memtel_guard_blind", outcome
+        assert outcome.fields["hooks"] == [f"http://127.0.0.1:{node.hook_port}/metrics"]
+        assert get_status(reject_url + "/health") == 503  # refusing everything: down for a load balancer
+        # admit: forwarded unchecked (the stopped rank answers once it runs again)
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(post_completion(admit_url, 1_000, seed=2)))
+        thread.start()
+        wait_until(lambda: scrape(f"http://127.0.0.1:{admit_metrics}/metrics").get(
+            "memtel_guard_blind_decisions_total", 0) >= 1, 30, "the admit guard to decide blind")
     finally:
-        node.stop()
+        rank.send_signal(signal.SIGCONT)
+    thread.join(120)
+    assert result and result[0].status == 200, result
+    for metrics in (admit_metrics, reject_metrics):
+        settled(metrics)
+        values = scrape(f"http://127.0.0.1:{metrics}/metrics")
+        assert values["memtel_guard_blind"] == 0
+        assert values["memtel_guard_blind_episodes_total"] == episodes[metrics] + 1
+    assert get_status(reject_url + "/health") == 200
+    for url in (admit_url, reject_url):
+        outcome = post_completion(url, 1_048_576, seed=3)
+        assert outcome.status == 503 and outcome.error_type == "memtel_would_not_fit", outcome
+        assert post_completion(url, 1_000, seed=4).status == 200
+    assert all(log.read_text().count("is blind") == lines[log] + 1 for log in logs)

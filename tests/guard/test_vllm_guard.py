@@ -1,10 +1,12 @@
 """Real vLLM on CPU behind the guard: what passes is what going direct gives, and /tokenize counts as vLLM does.
 
-One vLLM server for the module (the tiny random-weight Llama of tests/support/vllm.py, whose WordLevel
-tokenizer makes one word one token, with a plain chat template), the guard in this process. The hook is a
-static exposition (tests/guard/servers.py): the tiny Llama has no sparse-attention indexer, so the live
-forecast has nothing to compute; the limit (3,000 tokens) makes the guard both forward by its byte bound and
-ask vLLM's /tokenize. Sampling is greedy, so two answers to one request are the same but for ids and times.
+The session's counting vLLM server (tests/support/vllm_shared.py: the tiny random-weight Llama of
+tests/support/vllm.py, whose WordLevel tokenizer makes one word one token, with a plain chat template; its
+memtel hook counts the attention calls in the worker, which the guard does not look at), the guard in this
+process. The hook the guard scrapes is a static exposition (tests/guard/servers.py): the tiny Llama has no
+sparse-attention indexer, so the live forecast has nothing to compute; the limit (3,000 tokens) makes the guard
+both forward by its byte bound and ask vLLM's /tokenize. Sampling is greedy, so two answers to one request are
+the same but for ids and times.
 """
 
 from __future__ import annotations
@@ -15,26 +17,17 @@ import json
 import pytest
 
 from tests.guard.servers import RunningGuard, StubHook, exposition, request
-from tests.support.ports import free_port
-from tests.support.vllm import VOCAB_WORDS, VllmServer
+from tests.support.vllm import VOCAB_WORDS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LIMIT = 3000
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}assistant{% endif %}")
 VOLATILE = ("id", "created", "system_fingerprint")
 
 
 @pytest.fixture(scope="module")
-def vllm(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("guard-vllm")
-    template = tmp / "chat.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    server = VllmServer(tiny_model, free_port(), log_path=tmp / "vllm.log", max_model_len=8192,
-                        extra_args=("--chat-template", str(template)))
-    with server:
-        yield server
+def vllm(vllm_counting):
+    return vllm_counting.server
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import textwrap
 import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +14,7 @@ from telemetry.hook import active_handle, set_allocator_source
 
 
 @pytest.fixture(autouse=True)
-def _no_hook_left_behind():
+def _no_hook_left_behind() -> Iterator[None]:
     yield
     handle = active_handle()
     if handle is not None:
@@ -21,10 +23,10 @@ def _no_hook_left_behind():
 
 
 @pytest.fixture
-def make_module(tmp_path, monkeypatch):
+def make_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., str]]:
     """make_module(source, package=None) -> unique module name, importable from tmp_path (not imported yet)."""
     monkeypatch.syspath_prepend(str(tmp_path))
-    created = []
+    created: list[str] = []
 
     def make(source: str, package: str | None = None) -> str:
         name = "memtel_test_" + uuid.uuid4().hex[:10]

@@ -32,17 +32,18 @@ def open_writer(directory: Path, **options) -> CallLogWriter:
     return writer
 
 
-def push(writer: CallLogWriter, calls: int, start: int = 0) -> None:
+def push(writer: CallLogWriter, calls: int, start: int = 0, flush_every: int = 5000) -> None:
     for i in range(start, start + calls):
         writer.push(time.time_ns(), i, "m:f", "sim", AllocatorCounters(i << 20, i, i, 0, 0, 0), 1 << 30, 0)
-        if i % 5000 == 4999:
+        if i % flush_every == flush_every - 1:
             writer.flush()  # rotation happens at a write, as the writer thread's would
 
 
 def test_a_long_log_is_rotated_compressed_and_read_back_whole(tmp_path):
-    calls = 60_000  # ~230 bytes a line: ~14 MB, rotated every 2 MiB
-    writer = open_writer(tmp_path, rotate_bytes=2 << 20)
-    push(writer, calls)
+    calls = 15_000  # ~230 bytes a line: ~3.5 MB, rotated every 512 KiB (at a write: every second flush)
+    rotate = 512 << 10
+    writer = open_writer(tmp_path, rotate_bytes=rotate)
+    push(writer, calls, flush_every=1250)
     writer.close()
     pid = os.getpid()
     names = [p.name for p in call_log_files(tmp_path)]
@@ -52,7 +53,7 @@ def test_a_long_log_is_rotated_compressed_and_read_back_whole(tmp_path):
     assert segments == [segment_file_name(0, pid, i + 1) + ".gz" for i in range(len(segments))]
     # Nothing plain is left but the current file, and it is below the rotation size.
     plain = [p for p in tmp_path.iterdir() if p.name.endswith(".jsonl")]
-    assert [p.name for p in plain] == [log_file_name(0, pid)] and plain[0].stat().st_size < 2 << 20
+    assert [p.name for p in plain] == [log_file_name(0, pid)] and plain[0].stat().st_size < rotate
     raw = sum(len(gzip.decompress(p.read_bytes())) for p in tmp_path.glob("*.gz")) + plain[0].stat().st_size
     compressed = sum(p.stat().st_size for p in tmp_path.iterdir())
     assert compressed < raw / 5  # bounded disk: the segments compress well (~28x on the lab's logs)

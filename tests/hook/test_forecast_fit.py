@@ -74,6 +74,7 @@ def test_unified_memory_is_shared_equally_by_the_nodes_ranks_plus_what_each_hold
     assert (one.budget_bytes, one.memory) == (8 * GIB + 2 * GIB, UNIFIED)
     assert two.budget_bytes == 4 * GIB + 2 * GIB and two.limit_bytes == 1 * GIB + two.budget_bytes
     assert "shared by 2 ranks" in two.detail
+    assert two.shared and not one.shared   # a share no allocator sees: the search may not count on freeing cache
     # Below the reserve nothing is left to share, but a rank may still reuse what it holds free.
     assert unified_budget(GIB, allocated=0, reserved=MIB, reserve=2 * GIB, ranks=2).budget_bytes == MIB
 
@@ -121,9 +122,13 @@ def test_the_exported_answer_is_the_search_on_the_same_state_with_the_shared_bud
     counters = state.counters
     held_free = counters.reserved_bytes - counters.allocated_bytes
     assert results.budget.budget_bytes == (160 - 20) * MIB // 2 + held_free
-    expected = max_prefill_tokens(state, SHAPE, limit_bytes=counters.allocated_bytes + results.budget.budget_bytes)
+    limit = counters.allocated_bytes + results.budget.budget_bytes
+    expected = max_prefill_tokens(state, SHAPE, limit_bytes=limit, release_cache_on_oom=False)
     assert results.max_fit == expected
     assert 0 < expected.tokens < SHAPE.max_model_len   # the limit cuts the range: the comparison means something
+    # Alone on the node the rank could free its cache to stay within the limit; sharing it, it cannot count on that.
+    alone = max_prefill_tokens(state, SHAPE, limit_bytes=limit)
+    assert expected.tokens <= alone.tokens and expected.peak_reserved_bytes <= limit
     assert results.forecasts and results.forecasts[0].tokens == 4096
     assert (results.helper_cpu_seconds > 0) == helper
 

@@ -31,7 +31,7 @@ from telemetry.hook.forecast.vllm_workload import (
 )
 from telemetry.hook.forecast.workload import VLLM
 from telemetry.model.indexer.shape import MIB
-from tests.support.ports import free_port, free_port_block
+from tests.support.vllm_shared import INDEXER_CHUNK, INDEXER_MAX_MODEL_LEN
 
 INDEXER_MODULE, _, INDEXER_CLASS = INDEXER_CLASSES[0].partition(":")
 
@@ -139,23 +139,17 @@ def test_the_names_read_are_vllms_own():
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_real_vllm_worker_reads_its_config_and_forecasts_nothing_without_an_indexer(tiny_model, tmp_path):
-    from tests.support.vllm import VllmServer
-
-    base = free_port_block(2)
-    env = {"MEMTEL_TARGETS": "vllm-sparse-indexer", "MEMTEL_PORT": str(base), "MEMTEL_ADDR": "127.0.0.1",
-           "MEMTEL_FORECAST_TOKENS": "100000,200000", "MEMTEL_FORECAST_INTERVAL_S": "1"}
-    server = VllmServer(tiny_model, free_port(), env=env, log_path=tmp_path / "vllm.log",
-                        extra_args=("--max-num-batched-tokens", "48", "--max-num-seqs", "4"), max_model_len=8192)
-    with server:
-        log = (tmp_path / "vllm.log").read_text(errors="replace")
-        lines = [line for line in log.splitlines() if "live forecast off" in line]
-        assert len(lines) == 1, log[-4000:]
-        assert ("the loaded model has no sparse-attention indexer layer (max-num-batched-tokens 48, "
-                "max-model-len 8,192)") in lines[0]
-        announcement = [line for line in log.splitlines() if "memtel hook on in pid" in line]
-        assert len(announcement) == 1 and "forecast: off (the loaded model has no" in announcement[0], announcement
-        metrics = httpx.get(f"http://127.0.0.1:{base}/metrics", timeout=10).text
-        assert "memtel_hook_unresolved_targets" in metrics   # the worker's exporter, after the model loaded
-        assert "memtel_forecast_reserved_growth_bytes{" not in metrics
-        assert "memtel_forecast_workload_info{" not in metrics
+def test_a_real_vllm_worker_reads_its_config_and_forecasts_nothing_without_an_indexer(vllm_indexer):
+    # The session's indexer server (tests/support/vllm_shared.py): the sparse-indexer preset, the live forecast on
+    # (100,000 and 200,000 tokens, every second), its own chunk and max-model-len.
+    log = vllm_indexer.server.log_path.read_text(errors="replace")
+    lines = [line for line in log.splitlines() if "live forecast off" in line]
+    assert len(lines) == 1, log[-4000:]
+    assert (f"the loaded model has no sparse-attention indexer layer (max-num-batched-tokens {INDEXER_CHUNK}, "
+            f"max-model-len {INDEXER_MAX_MODEL_LEN:,})") in lines[0]
+    announcement = [line for line in log.splitlines() if "memtel hook on in pid" in line]
+    assert len(announcement) == 1 and "forecast: off (the loaded model has no" in announcement[0], announcement
+    metrics = httpx.get(f"http://127.0.0.1:{vllm_indexer.hook_port}/metrics", timeout=10).text
+    assert "memtel_hook_unresolved_targets" in metrics   # the worker's exporter, after the model loaded
+    assert "memtel_forecast_reserved_growth_bytes{" not in metrics
+    assert "memtel_forecast_workload_info{" not in metrics

@@ -8,13 +8,17 @@ attention layer. So the target fires exactly once per layer per forward step und
 compile mode; no `--enforce-eager` needed (a function inside the compiled graph would never be
 called at run time).
 
-Forward steps are derived from the requests: with chunked prefill at `--max-num-batched-tokens 32`,
-one request at a time and no prefix caching, a P-token prompt runs as chunks of 32 tokens and a
+Forward steps are derived from the requests: with chunked prefill at `--max-num-batched-tokens 128`
+(CHUNK), one request at a time and no prefix caching, a P-token prompt runs as chunks of 128 tokens and a
 remainder (the last chunk samples the first token), then max_tokens - 1 one-token decode steps.
 With MEMTEL_RECORD_SHAPE=1 each record carries the query's [tokens, heads * head_dim], so the test
 checks the exact sequence of step sizes, layer by layer - not only the total. vLLM's own counters
 confirm the parts they can see: prompt and generation tokens, and the engine steps that produced a
 token (`vllm:iteration_tokens_total_count`; a prefill chunk that samples nothing is not counted).
+
+Both tests use servers of the session (tests/support/vllm_shared.py): the counting test vLLM's default start,
+shared with the guard's tests; the unresolved-target test a server where nothing ever calls a target, shared
+with the live forecast's test.
 """
 
 from __future__ import annotations
@@ -28,14 +32,12 @@ import psutil
 import pytest
 
 from tests.ledger.vllm_engine import expected_kv_cache_bytes, expected_weights_bytes
-from tests.support.ports import free_port, free_port_block
-from tests.support.vllm import VOCAB_WORDS, VllmServer, one_call_log
+from tests.support.vllm import VOCAB_WORDS, one_call_log
+from tests.support.vllm_shared import CHUNK, INDEXER, TARGET
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TARGET = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
-CHUNK = 32
-REQUESTS = [(70, 3), (20, 4)]  # (prompt tokens, output tokens): steps of 32, 32, 6, 1, 1 and 20, 1, 1, 1
+REQUESTS = [(300, 3), (20, 4)]  # (prompt tokens, output tokens): steps of 128, 128, 44, 1, 1 and 20, 1, 1, 1
 
 
 def step_sizes(prompt_tokens: int, output_tokens: int) -> list[int]:
@@ -74,77 +76,80 @@ def listeners(ports: range) -> dict[int, int]:
             if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
 
 
-def test_hook_counts_every_attention_layer_call_in_the_cpu_worker(tiny_model, tmp_path):
+def test_hook_counts_every_attention_layer_call_in_the_cpu_worker(tiny_model, vllm_counting):
+    # The session's counting server (tests/support/vllm_shared.py): other tests (the guard's) send it requests
+    # too, so everything here is a delta around this test's own requests, or holds for every call.
     layers = json.loads((Path(tiny_model) / "config.json").read_text())["num_hidden_layers"]
-    base = free_port_block(4)
-    log_dir = tmp_path / "memtel"
-    env = {"MEMTEL_TARGETS": TARGET, "MEMTEL_PORT": str(base), "MEMTEL_ADDR": "127.0.0.1",
-           "MEMTEL_LOG_DIR": str(log_dir), "MEMTEL_RECORD_SHAPE": "1"}
-    server = VllmServer(tiny_model, free_port(), env=env, log_path=tmp_path / "vllm.log",
-                        extra_args=("--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4",
-                                    "--no-enable-prefix-caching"))
-    with server:
-        hook_sample = f'memtel_hook_calls_total{{node="{os.uname().nodename}",rank="0",site="{TARGET}"}}'
-        before = scrape(base)  # the worker has run its warm-up forward already: exporter up
-        calls_before = before[hook_sample]
-        vllm_before = scrape(server.port)
-        # The engine's memory, read by the hook from the worker's own tensors, equals what vLLM allocated:
-        # the parameters (from the safetensors file; tests/ledger/vllm_engine.py) and the KV cache (from vLLM's
-        # cache_config_info: blocks x block size x K/V x layers x KV heads x head dim x 4 bytes).
-        assert one(before, "memtel_engine_weights_bytes") == expected_weights_bytes(tiny_model)
-        assert one(before, "memtel_engine_kv_cache_bytes") == expected_kv_cache_bytes(
-            tiny_model, httpx.get(server.url + "/metrics", timeout=5).text)
+    server, base, log_dir = vllm_counting.server, vllm_counting.hook_port, vllm_counting.log_dir
+    hook_sample = f'memtel_hook_calls_total{{node="{os.uname().nodename}",rank="0",site="{TARGET}"}}'
+    before = scrape(base)  # the worker has run its warm-up forward already: exporter up
+    calls_before = before[hook_sample]
+    vllm_before = scrape(server.port)
+    # The engine's memory, read by the hook from the worker's own tensors, equals what vLLM allocated:
+    # the parameters (from the safetensors file; tests/ledger/vllm_engine.py) and the KV cache (from vLLM's
+    # cache_config_info: blocks x block size x K/V x layers x KV heads x head dim x 4 bytes).
+    assert one(before, "memtel_engine_weights_bytes") == expected_weights_bytes(tiny_model)
+    assert one(before, "memtel_engine_kv_cache_bytes") == expected_kv_cache_bytes(
+        tiny_model, httpx.get(server.url + "/metrics", timeout=5).text)
 
-        expected_steps: list[int] = []
-        words = iter(VOCAB_WORDS)  # distinct words: no prompt shares a prefix with another
-        for prompt_tokens, output_tokens in REQUESTS:
-            prompt = " ".join(next(words) for _ in range(prompt_tokens))
-            response = httpx.post(server.url + "/v1/completions", timeout=120, json={
-                "model": "tiny", "prompt": prompt, "max_tokens": output_tokens, "ignore_eos": True,
-                "temperature": 0})
-            response.raise_for_status()
-            usage = response.json()["usage"]
-            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt_tokens, output_tokens)
-            expected_steps += step_sizes(prompt_tokens, output_tokens)
-        host_available = mem_available()
+    expected_steps: list[int] = []
+    words = iter(VOCAB_WORDS)  # distinct words: no prompt shares a prefix with another
+    for prompt_tokens, output_tokens in REQUESTS:
+        prompt = " ".join(next(words) for _ in range(prompt_tokens))
+        response = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": output_tokens, "ignore_eos": True,
+            "temperature": 0})
+        response.raise_for_status()
+        usage = response.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt_tokens, output_tokens)
+        expected_steps += step_sizes(prompt_tokens, output_tokens)
+    host_available = mem_available()
 
-        after = scrape(base)
-        host_available_at_scrape = mem_available()
-        vllm_after = scrape(server.port)
-        delta = {name: one(vllm_after, name) - one(vllm_before, name) for name in
-                 ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count")}
-        assert delta == {"vllm:prompt_tokens_total": sum(p for p, _ in REQUESTS),
-                         "vllm:generation_tokens_total": sum(o for _, o in REQUESTS),
-                         "vllm:iteration_tokens_total_count": sum(o for _, o in REQUESTS)}
-        calls = after[hook_sample]
-        assert calls - calls_before == layers * len(expected_steps)
+    after = scrape(base)
+    host_available_at_scrape = mem_available()
+    vllm_after = scrape(server.port)
+    delta = {name: one(vllm_after, name) - one(vllm_before, name) for name in
+             ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count")}
+    assert delta == {"vllm:prompt_tokens_total": sum(p for p, _ in REQUESTS),
+                     "vllm:generation_tokens_total": sum(o for _, o in REQUESTS),
+                     "vllm:iteration_tokens_total_count": sum(o for _, o in REQUESTS)}
+    calls = after[hook_sample]
+    assert calls - calls_before == layers * len(expected_steps)
 
-        # One JSONL record per call (the writer flushes every 0.5 s).
-        log, records = one_call_log(log_dir, calls)
-        assert [r["call"] for r in records] == list(range(int(calls)))
-        worker_pid = records[0]["pid"]
-        assert log.name == f"memtel-calls-rank0-pid{worker_pid}.jsonl"
-        assert {(r["site"], r["rank"], r["pid"], r["device"]) for r in records} == {(TARGET, 0, worker_pid, "cpu")}
-        assert not any("reserved_bytes" in r for r in records)  # no CUDA allocator here: absent, not 0
-        # Each forward step called the target once per layer, with that step's tokens.
-        rows = [r["shape"][0] for r in records[int(calls_before):]]
-        assert rows == [size for size in expected_steps for _ in range(layers)]
+    # One JSONL record per call (the writer flushes every 0.5 s).
+    log, records = one_call_log(log_dir, calls)
+    assert [r["call"] for r in records] == list(range(int(calls)))   # no other test sends requests meanwhile
+    worker_pid = records[0]["pid"]
+    assert log.name == f"memtel-calls-rank0-pid{worker_pid}.jsonl"
+    assert {(r["site"], r["rank"], r["pid"], r["device"]) for r in records} == {(TARGET, 0, worker_pid, "cpu")}
+    assert not any("reserved_bytes" in r for r in records)  # no CUDA allocator here: absent, not 0
+    # Each forward step called the target once per layer, with that step's tokens.
+    rows = [r["shape"][0] for r in records[int(calls_before):]]
+    assert rows == [size for size in expected_steps for _ in range(layers)]
 
-        # MemAvailable within 5% of /proc/meminfo at that moment.
-        last = records[-1]
-        assert abs(last["mem_available_bytes"] - host_available) <= 0.05 * host_available
-        gauge = after[hook_sample.replace("memtel_hook_calls_total", "memtel_hook_host_mem_available_bytes")]
-        assert abs(gauge - host_available_at_scrape) <= 0.05 * host_available_at_scrape
+    # MemAvailable within 5% of /proc/meminfo at that moment.
+    last = records[-1]
+    assert abs(last["mem_available_bytes"] - host_available) <= 0.05 * host_available
+    gauge = after[hook_sample.replace("memtel_hook_calls_total", "memtel_hook_host_mem_available_bytes")]
+    assert abs(gauge - host_available_at_scrape) <= 0.05 * host_available_at_scrape
 
-        # Only the worker listens: no exporter in the API server (nor the engine core).
-        ports = listeners(range(base, base + 4))
-        assert ports == {base: worker_pid}, ports
-        assert server.process is not None
-        api_server = psutil.Process(server.process.pid)
-        assert worker_pid != api_server.pid
-        assert worker_pid in {p.pid for p in api_server.children(recursive=True)}
-    # After shutdown the log is still exactly one record per call.
-    assert len(log.read_text().splitlines()) == calls
+    # Only the worker listens: no exporter in the API server (nor the engine core).
+    ports = listeners(range(base, base + 4))
+    assert ports == {base: worker_pid}, ports
+    assert server.process is not None
+    api_server = psutil.Process(server.process.pid)
+    assert worker_pid != api_server.pid
+    assert worker_pid in {p.pid for p in api_server.children(recursive=True)}
+    worker = psutil.Process(worker_pid)
+    assert worker.parent().pid != api_server.pid   # vLLM's default layout: API server -> engine core -> worker
+    assert worker.parent().parent().pid == api_server.pid
+
+    # After the server's shutdown (once its last test is done) the log is still exactly one record per call.
+    def still_one_record_per_call() -> None:
+        assert vllm_counting.calls_at_stop is not None, "the hook's exporter did not answer before the stop"
+        assert len(log.read_text().splitlines()) == vllm_counting.calls_at_stop
+    vllm_counting.after_stop.append(still_one_record_per_call)
+
     # The hook said, once and in vLLM's own log, what it hooked in the worker, its rank, port and log.
     output = server.log_path.read_text(errors="replace")
     (line,) = [x for x in output.splitlines() if "memtel hook on in pid" in x]
@@ -155,19 +160,15 @@ def test_hook_counts_every_attention_layer_call_in_the_cpu_worker(tiny_model, tm
     assert "hook targets not resolved" not in output
 
 
-def test_the_hook_names_targets_that_never_resolve_in_a_cpu_worker(tiny_model, tmp_path):
+def test_the_hook_names_targets_that_never_resolve_in_a_cpu_worker(vllm_indexer):
     # The sparse indexer does not exist in a Llama on the CPU: found by a new user as a silent hook (no
     # exporter, no log file, no log line). After the worker loaded the model, it must say so, once, in
-    # vLLM's log and on the exporter.
-    base = free_port_block(4)
-    log_dir = tmp_path / "memtel"
-    env = {"MEMTEL_TARGETS": "vllm-sparse-indexer", "MEMTEL_PORT": str(base), "MEMTEL_ADDR": "127.0.0.1",
-           "MEMTEL_LOG_DIR": str(log_dir)}
-    server = VllmServer(tiny_model, free_port(), env=env, log_path=tmp_path / "vllm.log")
-    indexer = "vllm.model_executor.layers.sparse_attn_indexer:fp8_fp4_mqa_logits"
-    with server:
-        text = httpx.get(f"http://127.0.0.1:{base}/metrics", timeout=5).text
-        output = server.log_path.read_text(errors="replace")
+    # vLLM's log and on the exporter. The session's indexer server (tests/support/vllm_shared.py): nothing
+    # ever calls a target there.
+    base, log_dir = vllm_indexer.hook_port, vllm_indexer.log_dir
+    indexer = INDEXER
+    text = httpx.get(f"http://127.0.0.1:{base}/metrics", timeout=5).text
+    output = vllm_indexer.server.log_path.read_text(errors="replace")
     unresolved = {line.split("{")[1].split("}")[0]: line.rsplit(" ", 1)[1] for line in text.splitlines()
                   if line.startswith("memtel_hook_unresolved_targets{")}
     assert unresolved[f'node="{os.uname().nodename}",rank="0",target="{indexer}"'] == "1.0"

@@ -19,6 +19,7 @@ from telemetry.model.indexer.fit import max_prefill_tokens
 from telemetry.model.indexer.forecast import forecast
 from telemetry.model.indexer.prefill import LaunchPattern, run_prefill
 from telemetry.model.indexer.shape import IndexerShape
+from tests.support.cli import call_main
 
 MIB = 1 << 20
 SHAPE = IndexerShape(layers=2, chunk=256, compress_ratio=1, max_model_len=1500, logits_budget_bytes=2 * MIB)
@@ -114,8 +115,6 @@ def test_a_bad_limit_is_a_config_error(limit):
 
 def test_memtel_forecast_max_fit_prints_the_search_from_a_saved_snapshot(tmp_path):
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
@@ -127,16 +126,14 @@ def test_memtel_forecast_max_fit_prints_the_search_from_a_saved_snapshot(tmp_pat
     shape_args = ["--layers", "2", "--chunk", "256", "--compress-ratio", "1", "--max-model-len", "1500",
                   "--budget-mb", "2"]
     capacity_gib = 12 / 1024
-    command = [sys.executable, "-m", "telemetry", "forecast", "--snapshot", str(snapshot), "--max-fit",
-               "--capacity-gb", str(capacity_gib), *shape_args]
-    done = subprocess.run([*command, "--json"], capture_output=True, text=True, cwd=root, timeout=120)
+    command = ["forecast", "--snapshot", str(snapshot), "--max-fit", "--capacity-gb", str(capacity_gib), *shape_args]
+    done = call_main([*command, "--json"], cwd=root)
     assert done.returncode == 0, done.stderr
     expected = max_prefill_tokens(read_allocator_state(backend.snapshot()), SHAPE, limit_bytes=12 * MIB)
     assert json.loads(done.stdout)["max_fit"] == expected.as_json()
     assert 0 < expected.tokens < SHAPE.max_model_len
-    table = subprocess.run(command, capture_output=True, text=True, cwd=root, timeout=120)
+    table = call_main(command, cwd=root)
     assert "longest prefill that fits in 12 MiB" in table.stdout and f"{expected.tokens:,} tokens" in table.stdout
     for bad, says in [(["--max-fit"], "--max-fit needs --capacity-gb"), ([], "give --tokens")]:
-        wrong = subprocess.run([sys.executable, "-m", "telemetry", "forecast", "--snapshot", str(snapshot), *bad],
-                               capture_output=True, text=True, cwd=root, timeout=120)
+        wrong = call_main(["forecast", "--snapshot", str(snapshot), *bad], cwd=root)
         assert wrong.returncode == 2 and says in wrong.stderr and len(wrong.stderr.strip().splitlines()) == 1, wrong

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,11 +49,19 @@ class LabServer:
         return f"http://127.0.0.1:{self.rank_port + rank}/metrics"
 
     def start(self, timeout: float = 60.0) -> LabServer:
-        import httpx  # the harness extra: test modules that need it skip without it (tests/support/extras.py)
+        self.launch()
+        return self.wait_ready(timeout)
 
+    def launch(self) -> None:
+        """Start the process (wait_ready waits for its health): several servers can start at once."""
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                             env=self.env, start_new_session=True, stdin=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout: float = 60.0) -> LabServer:
+        import httpx  # the harness extra: test modules that need it skip without it (tests/support/extras.py)
+
+        assert self.process is not None, "the lab server was not launched"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -89,11 +99,28 @@ class LabServer:
             self.stop()
             raise
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-@pytest.fixture(scope="module")
-def lab_server(tmp_path_factory):
+@contextlib.contextmanager
+def started(*servers: LabServer) -> Iterator[tuple[LabServer, ...]]:
+    """Start every server at once (a start is mostly imports in three processes: on two cores, several
+    overlap), wait until each is healthy; stop them all at the end."""
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+    """One SMALL server for every test that only sends it requests (test_api, test_prefix_cache: their prompts
+    use their own words, and they read counters as differences)."""
     with LabServer(tmp_path_factory.mktemp("lab"), *SMALL) as server:
         yield server

@@ -4,8 +4,11 @@ Real lab servers on loopback (sim allocator, no host backing) with the live fore
 budget is the node's capacity shared by its ranks; a prompt of exactly `memtel_forecast_max_prefill_tokens`
 tokens is served; on one rank, a prompt one token longer than the gauge (read again from the state the first
 request left) runs the node out of memory: 500 with vLLM's engine-dead answer, the driver-like
-NV_ERR_NO_MEMORY line in the rank's log, the server exits as vLLM's does. On two ranks, a prompt a chunk
-longer than the gauge fails the same way.
+NV_ERR_NO_MEMORY line in the rank's log, the server exits as vLLM's does. On two ranks the gauge is a promise,
+not the edge: each rank's allocator keeps its cache while the node has room, so whichever rank runs ahead may
+take more than its half; the gauge counts on no cache being freed (docs/guard.md), so a prompt of exactly the
+gauge is served however the ranks interleave (it failed about one run in three when the search counted on it),
+and the longest prompt max-model-len allows, which cannot fit, fails the same way as on one rank.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def test_one_rank_serves_exactly_the_gauge_and_runs_out_one_token_later(tmp_path
 
 
 @pytest.mark.slow   # a lab server of two ranks (about 10 s)
-def test_two_ranks_share_the_node_and_a_chunk_more_than_the_gauge_runs_out(tmp_path):
+def test_two_ranks_share_the_node_serve_the_gauge_and_run_out_at_max_model_len(tmp_path):
     capacity = 120 * MIB
     server = LabServer(tmp_path, *SHAPE, "--capacity-gb", str(capacity / (1 << 30)), ranks=2, env=ENV)
     with server:
@@ -93,7 +96,8 @@ def test_two_ranks_share_the_node_and_a_chunk_more_than_the_gauge_runs_out(tmp_p
         served = complete(server, tokens, "a")
         assert served.status_code == 200, served.text
         again = min(fit_after(server, rank, time.time())[0] for rank in range(2))
-        assert_died_of_out_of_memory(server, complete(server, min(again + 1024, 65536), "b"))
+        assert 1024 < again < 65536, again   # from the state the request left: still a real, cut range
+        assert_died_of_out_of_memory(server, complete(server, 65536 - 1, "b"))   # max_tokens 1: the longest prompt
 
 
 @pytest.mark.parametrize(("args", "expected"), [

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import psutil
@@ -16,7 +17,7 @@ import pytest
 from harness.labserver.cost_model import CostModel
 from telemetry.model.indexer.planner import plan_prefill
 from telemetry.model.indexer.shape import MIB, REFERENCE_SHAPE, IndexerShape
-from tests.labserver.conftest import SMALL, LabServer
+from tests.labserver.conftest import SMALL, LabServer, started
 from tests.support.prom import metric
 
 
@@ -29,10 +30,23 @@ def _gone(processes: list[psutil.Process], timeout: float = 10.0) -> bool:
     return not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_ranks_die_with_a_killed_server(tmp_path):
-    server = LabServer(tmp_path, *SMALL)
+TTFT_ARGS = ["--layers", "45", "--chunk", "2048", "--max-model-len", "65536", "--budget-mb", "512", "--scale", "0.01",
+             "--time-scale", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LabServer]]:
+    """A server for each test below that needs one of its own (three end its life), all started at once."""
+    tmp = tmp_path_factory.mktemp("lifecycle")
+    named = {"killed": LabServer(tmp, *SMALL), "dead rank": LabServer(tmp, *SMALL), "sigterm": LabServer(tmp, *SMALL),
+             "ttft": LabServer(tmp, *TTFT_ARGS)}
+    with started(*named.values()):
+        yield named
+
+
+def test_ranks_die_with_a_killed_server(servers):
+    server = servers["killed"]
     try:
-        server.start()
         ranks = _ranks(server)
         assert len(ranks) == 2
         server.running.kill()  # SIGKILL: the server runs no cleanup at all
@@ -42,10 +56,9 @@ def test_ranks_die_with_a_killed_server(tmp_path):
         server.stop()
 
 
-def test_a_dead_rank_makes_the_server_unhealthy_and_exit(tmp_path):
-    server = LabServer(tmp_path, *SMALL)
+def test_a_dead_rank_makes_the_server_unhealthy_and_exit(servers):
+    server = servers["dead rank"]
     try:
-        server.start()
         ranks = _ranks(server)
         ranks[1].kill()
         deadline = time.monotonic() + 10
@@ -63,10 +76,9 @@ def test_a_dead_rank_makes_the_server_unhealthy_and_exit(tmp_path):
         server.stop()
 
 
-def test_sigterm_stops_the_server_and_its_ranks(tmp_path):
-    server = LabServer(tmp_path, *SMALL)
+def test_sigterm_stops_the_server_and_its_ranks(servers):
+    server = servers["sigterm"]
     try:
-        server.start()
         ranks = _ranks(server)
         server.running.send_signal(signal.SIGTERM)  # the server alone, not its group
         assert server.running.wait(15) == 0
@@ -108,9 +120,7 @@ def test_a_port_in_use_fails_before_any_rank_starts():
     assert spawned == []
 
 
-def test_simulated_ttft_grows_with_the_work(tmp_path):
-    args = ["--layers", "45", "--chunk", "2048", "--max-model-len", "65536", "--budget-mb", "512", "--scale", "0.01",
-            "--time-scale", "0.05"]
+def test_simulated_ttft_grows_with_the_work(servers):
     shape = IndexerShape(layers=45, chunk=2048, max_model_len=65536, logits_budget_bytes=512 * MIB)
     cost = CostModel(time_scale=0.05)
 
@@ -119,16 +129,16 @@ def test_simulated_ttft_grows_with_the_work(tmp_path):
                                        len(launches), shape.layers)
                    for step, launches in plan_prefill(tokens, shape, "stock"))
 
-    with LabServer(tmp_path, *args) as server:
-        ttft = {}
-        for tokens in (2048, 16384):
-            before = (metric(server.url + "/metrics", "vllm:time_to_first_token_seconds_sum") or 0.0)
-            response = httpx.post(server.url + "/v1/completions", timeout=60,
-                                  json={"prompt": " ".join(f"t{tokens}w{i}" for i in range(tokens)), "max_tokens": 1})
-            assert response.status_code == 200
-            after = metric(server.url + "/metrics", "vllm:time_to_first_token_seconds_sum")
-            assert after is not None
-            ttft[tokens] = after - before
+    server = servers["ttft"]
+    ttft = {}
+    for tokens in (2048, 16384):
+        before = (metric(server.url + "/metrics", "vllm:time_to_first_token_seconds_sum") or 0.0)
+        response = httpx.post(server.url + "/v1/completions", timeout=60,
+                              json={"prompt": " ".join(f"t{tokens}w{i}" for i in range(tokens)), "max_tokens": 1})
+        assert response.status_code == 200
+        after = metric(server.url + "/metrics", "vllm:time_to_first_token_seconds_sum")
+        assert after is not None
+        ttft[tokens] = after - before
     for tokens, seconds in ttft.items():
         assert modeled(tokens) <= seconds <= modeled(tokens) + 0.5, (tokens, seconds, modeled(tokens))
     # 8x the tokens, and the logits grow with the kv length: the time grows with the modeled work (a busy

@@ -14,10 +14,12 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
+import pytest
 
-from tests.labserver.conftest import ROOT, LabServer
+from tests.labserver.conftest import ROOT, LabServer, started
 from tests.support.prom import metric
 
 SHAPE = ["--layers", "4", "--chunk", "1024", "--max-model-len", "65536", "--budget-mb", "64", "--compress-ratio", "4"]
@@ -53,61 +55,69 @@ def allocator(url: str) -> tuple[float, float]:
     return reserved, allocs
 
 
-def test_the_ranks_forecast_what_the_next_request_adds(tmp_path):
-    server = LabServer(tmp_path, *SHAPE, "--scale", "1", "--time-scale", "0", "--no-unified-memory", env=ENV)
-    with server:
-        urls = [server.rank_url(rank) for rank in range(server.ranks)]
-        at_rest = [fresh_forecast(url, 0) for url in urls]
-
-        # `memtel forecast` from the same state (a rank that has allocated nothing: no segments), same shape.
-        snapshot = tmp_path / "empty-snapshot.json"
-        snapshot.write_text("[]")
-        cli = subprocess.run([sys.executable, "-m", "telemetry", "forecast", "--snapshot", str(snapshot), "--tokens",
-                              ",".join(map(str, LENGTHS)), *SHAPE, "--json"], capture_output=True, text=True,
-                             cwd=ROOT, timeout=120)
-        assert cli.returncode == 0, cli.stderr
-        expected = {f["tokens"]: (f["reserved_growth_bytes"], f["peak_reserved_bytes"], f["num_device_alloc"])
-                    for f in json.loads(cli.stdout)["forecasts"]}
-        for forecast in at_rest:
-            assert forecast == expected, (forecast, expected)
-        info = metric(urls[0], "memtel_forecast_workload_info", {"source": "program", "mode": "stock", "layers": "4",
-                                                                 "chunk": "1024", "max_model_len": "65536"})
-        assert info == 1
-
-        forecasts = at_rest
-        for index, tokens in enumerate(LENGTHS):
-            before = [allocator(url) for url in urls]
-            prompt = " ".join(f"r{index}w{i}" for i in range(tokens))   # no prefix shared with another request
-            response = httpx.post(server.url + "/v1/completions", timeout=120,
-                                  json={"model": "lab-stock", "prompt": prompt, "max_tokens": 1})
-            response.raise_for_status()
-            assert response.json()["usage"]["prompt_tokens"] == tokens
-            done = time.time()
-            for rank, url in enumerate(urls):
-                reserved, allocs = allocator(url)
-                growth = reserved - before[rank][0]
-                assert (growth, allocs - before[rank][1]) == (forecasts[rank][tokens][0], forecasts[rank][tokens][2]), \
-                    (rank, tokens, forecasts[rank])
-                assert reserved <= forecasts[rank][tokens][1]   # the peak is at least where it ended
-                # Both grow: the second from the state the first left (a seeded forecast, not an empty one).
-                assert growth > 0, f"request {index} grew nothing: the check proved nothing"
-            forecasts = [fresh_forecast(url, done) for url in urls]
-        for url in urls:
-            assert metric(url, "memtel_forecast_failures_total") is None, httpx.get(url, timeout=10).text
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LabServer]]:
+    """The two servers of the tests below, started at once: with the live forecast, and with a bad setting."""
+    tmp = tmp_path_factory.mktemp("live-forecast")
+    args = (*SHAPE, "--scale", "1", "--time-scale", "0", "--no-unified-memory")
+    named = {"forecast": LabServer(tmp, *args, env=ENV),
+             "bad setting": LabServer(tmp, *args, env={"MEMTEL_FORECAST_TOKENS": "100k"})}
+    with started(*named.values()):
+        yield named
 
 
-def test_a_bad_forecast_setting_is_one_line_per_rank_and_the_ranks_serve_without_it(tmp_path):
-    server = LabServer(tmp_path, *SHAPE, "--scale", "1", "--time-scale", "0", "--no-unified-memory",
-                       env={"MEMTEL_FORECAST_TOKENS": "100k"})
-    with server:
+def test_the_ranks_forecast_what_the_next_request_adds(tmp_path, servers):
+    server = servers["forecast"]
+    urls = [server.rank_url(rank) for rank in range(server.ranks)]
+    at_rest = [fresh_forecast(url, 0) for url in urls]
+
+    # `memtel forecast` from the same state (a rank that has allocated nothing: no segments), same shape.
+    snapshot = tmp_path / "empty-snapshot.json"
+    snapshot.write_text("[]")
+    cli = subprocess.run([sys.executable, "-m", "telemetry", "forecast", "--snapshot", str(snapshot), "--tokens",
+                          ",".join(map(str, LENGTHS)), *SHAPE, "--json"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    expected = {f["tokens"]: (f["reserved_growth_bytes"], f["peak_reserved_bytes"], f["num_device_alloc"])
+                for f in json.loads(cli.stdout)["forecasts"]}
+    for forecast in at_rest:
+        assert forecast == expected, (forecast, expected)
+    info = metric(urls[0], "memtel_forecast_workload_info", {"source": "program", "mode": "stock", "layers": "4",
+                                                             "chunk": "1024", "max_model_len": "65536"})
+    assert info == 1
+
+    forecasts = at_rest
+    for index, tokens in enumerate(LENGTHS):
+        before = [allocator(url) for url in urls]
+        prompt = " ".join(f"r{index}w{i}" for i in range(tokens))   # no prefix shared with another request
         response = httpx.post(server.url + "/v1/completions", timeout=120,
-                              json={"model": "lab-stock", "prompt": "a b c d", "max_tokens": 1})
+                              json={"model": "lab-stock", "prompt": prompt, "max_tokens": 1})
         response.raise_for_status()
-        for rank in range(server.ranks):
-            url = server.rank_url(rank)
-            assert metric(url, "memtel_hook_calls_total") is not None   # the hook runs
-            assert "memtel_forecast_" not in httpx.get(url, timeout=10).text
-        lines = [line for line in server.log().splitlines() if "MEMTEL_FORECAST_TOKENS='100k'" in line]
-        assert len(lines) == server.ranks, lines
-        assert all("'100k' is not a token count" in line and "the live forecast is off" in line for line in lines)
-        assert "Traceback" not in server.log()
+        assert response.json()["usage"]["prompt_tokens"] == tokens
+        done = time.time()
+        for rank, url in enumerate(urls):
+            reserved, allocs = allocator(url)
+            growth = reserved - before[rank][0]
+            assert (growth, allocs - before[rank][1]) == (forecasts[rank][tokens][0], forecasts[rank][tokens][2]), \
+                (rank, tokens, forecasts[rank])
+            assert reserved <= forecasts[rank][tokens][1]   # the peak is at least where it ended
+            # Both grow: the second from the state the first left (a seeded forecast, not an empty one).
+            assert growth > 0, f"request {index} grew nothing: the check proved nothing"
+        forecasts = [fresh_forecast(url, done) for url in urls]
+    for url in urls:
+        assert metric(url, "memtel_forecast_failures_total") is None, httpx.get(url, timeout=10).text
+
+
+def test_a_bad_forecast_setting_is_one_line_per_rank_and_the_ranks_serve_without_it(servers):
+    server = servers["bad setting"]
+    response = httpx.post(server.url + "/v1/completions", timeout=120,
+                          json={"model": "lab-stock", "prompt": "a b c d", "max_tokens": 1})
+    response.raise_for_status()
+    for rank in range(server.ranks):
+        url = server.rank_url(rank)
+        assert metric(url, "memtel_hook_calls_total") is not None   # the hook runs
+        assert "memtel_forecast_" not in httpx.get(url, timeout=10).text
+    lines = [line for line in server.log().splitlines() if "MEMTEL_FORECAST_TOKENS='100k'" in line]
+    assert len(lines) == server.ranks, lines
+    assert all("'100k' is not a token count" in line and "the live forecast is off" in line for line in lines)
+    assert "Traceback" not in server.log()

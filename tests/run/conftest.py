@@ -26,7 +26,7 @@ ANNOUNCEMENT = "memtel hook on in pid "
 
 
 @pytest.fixture
-def run_env(tmp_path):
+def run_env(tmp_path: Path) -> dict[str, str]:
     runtime = tmp_path / "xdg"
     runtime.mkdir(mode=0o700)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMTEL_", "PYTHONPATH"))}
@@ -103,7 +103,7 @@ class Handshake:
 
 
 @pytest.fixture
-def handshake(tmp_path) -> Handshake:
+def handshake(tmp_path: Path) -> Handshake:
     directory = tmp_path / "handshake"
     directory.mkdir()
     return Handshake(directory)

@@ -16,10 +16,15 @@ import venv
 import pytest
 
 from tests.run.conftest import PROGRAMS, announcements, logs_by_pid, memtel_run, memtel_run_command
+from tests.support.cli import call_main
 
 TARGET = "memtel_run_target:logits"
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                          "telemetry", "run", "bootstrap")
+
+
+SHELL_CASES = ("no command given: expected memtel run [--targets SPEC]", "command not found: no-such-command-memtel",
+               f"command is not executable: {os.devnull}")
 
 
 @pytest.mark.parametrize("options, command, env_extra, code, message", [
@@ -39,7 +44,12 @@ BOOTSTRAP = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path
     (["--targets", TARGET], [os.devnull], {}, 126, f"command is not executable: {os.devnull}"),
 ])
 def test_bad_input_is_one_line_and_nothing_starts(tmp_path, run_env, options, command, env_extra, code, message):
-    done = memtel_run(options, command, {**run_env, **env_extra}, timeout=60)
+    """In this process through the CLI's entry function (an exec would raise instead of replacing it); the
+    cases in SHELL_CASES through the console script too, for the exit status the shell sees."""
+    done = call_main(["run", *options, "--", *command], env={**run_env, **env_extra})
+    if message in SHELL_CASES:
+        shell = memtel_run(options, command, {**run_env, **env_extra}, timeout=60)
+        assert (shell.returncode, shell.stdout, shell.stderr) == (done.returncode, done.stdout, done.stderr)
     assert done.returncode == code
     assert done.stdout == ""
     (line,) = done.stderr.splitlines()

@@ -164,15 +164,28 @@ def test_targets_unresolved_at_a_process_first_hooked_call_are_reported_there(tm
     assert "memtel_hook_unresolved_targets shows them" in warning
 
 
-def test_when_nothing_hooks_the_first_process_warns_after_the_delay_once_and_listens_nowhere(run_env):
+def test_when_nothing_hooks_the_first_process_warns_after_the_delay_once_and_listens_nowhere(tmp_path, run_env):
     base = free_port_block(4)
-    program = ("import time\n"
-               "time.sleep(4)\n")
+    release = tmp_path / "release"  # the program runs until the test has read the warning (at most 30 s)
+    program = ("import os, time\n"
+               "end = time.monotonic() + 30\n"
+               f"while not os.path.exists({str(release)!r}) and time.monotonic() < end:\n"
+               "    time.sleep(0.02)\n")
     process = subprocess.Popen([*memtel_run_command("--targets", UNUSED, "--port", str(base),
                                                     "--unresolved-after", "1"), "--", "python", "-c", program],
                                env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, stderr = process.communicate(timeout=60)
+    try:
+        assert process.stderr is not None
+        early = []
+        while not warnings("".join(early)) and (line := process.stderr.readline()):
+            early.append(line)
+        running = listeners(range(base, base + 4))  # after the warning, the program still running
+    finally:
+        release.touch()
+        _, rest = process.communicate(timeout=60)
+    stderr = "".join(early) + rest
     assert process.returncode == 0, stderr
+    assert running == {}
     (warning,) = warnings(stderr)   # after 1 s; not again at exit
     assert ("1 of 1 hook targets not resolved 1 s after memtel run started, with no process of the run hooked yet, "
             f"in pid {process.pid}") in warning
@@ -186,8 +199,8 @@ def test_a_serving_engine_waits_for_its_model_and_a_short_program_is_told_at_exi
     # after the delay, only at exit, since nothing hooked anywhere.
     root = write_sglang_shaped(tmp_path / "sglang-shaped")
     env = {**run_env, "PYTHONPATH": f"{root}:{PROGRAMS}"}
-    done = memtel_run(["--targets", UNUSED, "--port", "off", "--unresolved-after", "1"],
-                      ["python", "-c", "import sglang, time; time.sleep(3)"], env)
+    done = memtel_run(["--targets", UNUSED, "--port", "off", "--unresolved-after", "0.5"],
+                      ["python", "-c", "import sglang, time; time.sleep(1.5)"], env)  # lives 1 s past the delay
     assert done.returncode == 0, done.stderr
     (warning,) = warnings(done.stderr)
     assert "not resolved at the exit of the run's first process, with no process of the run hooked yet" in warning

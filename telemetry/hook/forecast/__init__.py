@@ -4,7 +4,8 @@ Opt-in (MEMTEL_FORECAST_TOKENS, docs/hook.md "Live forecast"). A daemon thread p
 the allocator's segments every MEMTEL_FORECAST_INTERVAL_S seconds, seeds the caching-allocator simulator
 with them and runs the indexer's prefill of each length (`telemetry.model.indexer.forecast.forecast`) with the
 running server's workload (workload.py; vLLM's, read at `Worker.load_model`: vllm_workload.py). The
-collector (collector.py) exports the results. settings.py parses the settings.
+collector (collector.py) exports the results. settings.py parses the settings. On CUDA the simulation runs in
+a helper process (helper.py, compute.py) on a shadow of the allocator kept from its events (shadow.py).
 
 Modules import the harness only when a forecast runs: `import telemetry.hook` stays light.
 """

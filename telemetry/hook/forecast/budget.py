@@ -8,7 +8,11 @@ allocated + budget (telemetry/model/indexer/fit.py); `memtel_forecast_fit_budget
   `memtel_node_headroom_without_reclaim_bytes`, less MEMTEL_GUARD_RESERVE_MB (default 2048), divided equally
   among the ranks that share the node's memory (LOCAL_WORLD_SIZE, default 1: tensor-parallel ranks prefill
   the same request at the same time, each with the same growth), plus what this rank's allocator holds free
-  (reserved − allocated: already taken from the node, and its own to reuse);
+  (reserved − allocated: already taken from the node, and its own to reuse). A share is not a limit any
+  allocator sees: each rank's caching allocator keeps growing its cache while the node has room and frees it
+  only when the node is full, so a rank that runs ahead can take more than its share and leave the others
+  short. Where ranks share the node, a prefill fits only if the simulated allocator never reserves beyond
+  the share, without counting on its cache being freed (`release_cache_on_oom=False`, fit.py);
 - a discrete GPU: the device's free memory (cudaMemGetInfo) plus what the allocator holds free.
 
 A program that is its own node (the lab server's emulated unified memory) gives its headroom with
@@ -46,6 +50,7 @@ class FitBudget:
     memory: str
     total_memory: int | None
     detail: str
+    shared: bool = False   # a share of a node other ranks also take from: the allocator does not see the limit
 
 
 def reserve_bytes(environ: Mapping[str, str] = os.environ, default_mib: int = DEFAULT_RESERVE_MIB) -> int:
@@ -139,12 +144,13 @@ class BudgetBase:
     memory: str
     total_memory: int | None
     detail: str
+    shared: bool = False   # the node's headroom is shared by several ranks (see FitBudget)
 
     def for_allocator(self, allocated: int, reserved: int) -> FitBudget:
         held_free = max(reserved - allocated, 0)
         budget = self.base_bytes + held_free
         return FitBudget(budget, allocated + budget, self.memory, self.total_memory,
-                         f"{self.detail}, plus {held_free / MIB:,.0f} MiB held free")
+                         f"{self.detail}, plus {held_free / MIB:,.0f} MiB held free", self.shared)
 
 
 def unified_base(headroom: int, *, reserve: int, ranks: int, total_memory: int | None = None,
@@ -152,7 +158,7 @@ def unified_base(headroom: int, *, reserve: int, ranks: int, total_memory: int |
     share = max(headroom - reserve, 0) // max(ranks, 1)
     detail = (f"{source} {headroom / MIB:,.0f} MiB less reserve {reserve / MIB:,.0f} MiB"
               + (f", shared by {ranks} ranks" if ranks > 1 else ""))
-    return BudgetBase(share, UNIFIED, total_memory, detail)
+    return BudgetBase(share, UNIFIED, total_memory, detail, ranks > 1)
 
 
 def discrete_base(device_free: int, *, total_memory: int | None) -> BudgetBase:

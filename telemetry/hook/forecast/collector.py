@@ -18,6 +18,8 @@ from telemetry.catalogue.metrics import (
     FORECAST_FIT_BUDGET,
     FORECAST_HELPER_CPU,
     FORECAST_MAX_PREFILL_TOKENS,
+    FORECAST_SNAPSHOT_READER_INFO,
+    FORECAST_SNAPSHOT_RESYNCS,
 )
 from telemetry.hook.forecast.runner import Forecaster
 from telemetry.hook.rank import resolve_rank
@@ -90,6 +92,15 @@ class ForecastCollector(Collector):
         helper_cpu = FORECAST_HELPER_CPU.new()
         helper_cpu.add_metric([rank, node], results.helper_cpu_seconds)
         yield helper_cpu
+        if results.snapshot_reader is not None:
+            reader = FORECAST_SNAPSHOT_READER_INFO.new()
+            reader.add_metric([results.snapshot_reader, rank, node], 1)
+            yield reader
+        if results.resyncs:
+            resyncs = FORECAST_SNAPSHOT_RESYNCS.new()
+            for reason, count in sorted(results.resyncs.items()):
+                resyncs.add_metric([reason, rank, node], count)
+            yield resyncs
         failures = CounterMetricFamily("memtel_forecast_failures",
                                        "Live forecast cycles that failed, by reason: snapshot (taking or reading the "
                                        "allocator snapshot), unsupported_state (the snapshot holds what the simulator "

@@ -30,13 +30,18 @@ class CycleOutput:
 
 def run_cycle(segments: Any, device: int | None, workload: ForecastWorkload, conf: str, tokens: tuple[int, ...],
               base: BudgetBase | None, pause: Callable[[], None] | None = None) -> CycleOutput:
-    """Read the segments, forecast each length in `tokens`, and search the longest prefill within the budget.
+    """Read the segments (torch's list, or the native reader's bytes), forecast each length in `tokens`, and search
+    the longest prefill within the budget.
     Raises SnapshotError (a ConfigError) for a state the simulator does not model; anything else is a failure
     of the simulation."""
     from telemetry.model.allocsim.snapshot import read_allocator_state
     from telemetry.model.indexer.fit import max_prefill_tokens
     from telemetry.model.indexer.forecast import forecast
 
+    if isinstance(segments, bytes):   # the native reader's (SnapshotBytesError where they are not its format)
+        from telemetry.hook.forecast.snapshot_native.codec import decode_snapshot
+
+        segments = decode_snapshot(segments)
     state = read_allocator_state(segments, device=device, source="the live allocator", pause=pause)
     counters = state.counters
     forecasts = tuple(forecast(state, workload.shape, n, mode=workload.mode,  # type: ignore[arg-type]
@@ -46,7 +51,8 @@ def run_cycle(segments: Any, device: int | None, workload: ForecastWorkload, con
         budget = base.for_allocator(counters.allocated_bytes, counters.reserved_bytes)
         max_fit = max_prefill_tokens(state, workload.shape, limit_bytes=budget.limit_bytes,
                                      mode=workload.mode, alloc_conf=conf,  # type: ignore[arg-type]
-                                     pattern=workload.pattern, total_memory=budget.total_memory, pause=pause)
+                                     pattern=workload.pattern, total_memory=budget.total_memory, pause=pause,
+                                     release_cache_on_oom=not budget.shared)
     return CycleOutput(counters.allocated_bytes, counters.reserved_bytes, forecasts, budget, max_fit)
 
 
@@ -59,7 +65,8 @@ def encode_request(device: int | None, workload: ForecastWorkload, conf: str, to
             "pattern": None if pattern is None else [pattern.keep_previous, pattern.transient_bytes,
                                                      pattern.row_scale],
             "tokens": list(tokens),
-            "base": None if base is None else [base.base_bytes, base.memory, base.total_memory, base.detail]}
+            "base": None if base is None else [base.base_bytes, base.memory, base.total_memory, base.detail,
+                                               base.shared]}
 
 
 def decode_request(doc: dict[str, Any]) -> tuple[int | None, ForecastWorkload, str, tuple[int, ...], BudgetBase | None]:
@@ -78,7 +85,7 @@ def encode_output(output: CycleOutput) -> dict[str, Any]:
     return {"allocated": output.allocated_bytes, "reserved": output.reserved_bytes,
             "forecasts": [{**f.as_json(), "start": list(f.start)} for f in output.forecasts],
             "budget": None if budget is None else [budget.budget_bytes, budget.limit_bytes, budget.memory,
-                                                   budget.total_memory, budget.detail],
+                                                   budget.total_memory, budget.detail, budget.shared],
             "max_fit": None if max_fit is None else max_fit.as_json()}
 
 

@@ -5,9 +5,13 @@ exporter. A cycle (`run_once`):
 1. the workload: `set_forecast_workload` (program), else vLLM's (read at `Worker.load_model`), else
    MEMTEL_FORECAST_SHAPE (config), else the reference workload; none while the engine's model loads, and
    none in a vLLM model without a sparse-attention indexer (nothing to forecast);
-2. the allocator's segments from the hook's allocator reader (`torch.cuda.memory_snapshot()`, or the
-   allocator source's snapshot), none before the first hooked call bound a device;
-3. if they, the workload and the allocator settings are what the last cycle saw, the last forecasts stand;
+2. the allocator's segments: on CUDA with the helper process, the allocator's events since the last cycle,
+   which the helper replays on its shadow of the allocator (shadow.py: one full native snapshot to start, and
+   again whenever the shadow is lost, counted by reason); else as bytes from the native snapshot reader
+   (snapshot_native/: taken without holding the GIL), else `torch.cuda.memory_snapshot()` from the hook's
+   allocator reader, or the allocator source's snapshot; none before the first hooked call bound a device;
+3. if they, the workload and the allocator settings are what the last cycle saw (bytes compared as bytes; no
+   event since the last cycle), the last forecasts stand;
    else `telemetry.model.indexer.forecast.forecast` for each length, on a simulator seeded with the segments;
 4. the fit budget (budget.py) and the longest prefill that fits in it (`telemetry.model.indexer.fit`), searched
    again when the segments changed or the budget left the range where the last answer stays exact.
@@ -29,7 +33,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from telemetry.hook import allocator
-from telemetry.hook.forecast.helper import ForecastHelper, HelperError
+from telemetry.hook.forecast.helper import ForecastHelper, HelperError, ShadowInput
+from telemetry.hook.forecast.shadow import LOST, START
+from telemetry.hook.forecast.snapshot_native.events import unchanged
+from telemetry.hook.forecast.snapshot_native.reader import ALLOCATOR_SOURCE, NativeSnapshots
 from telemetry.hook.forecast.workload import REFERENCE, ForecastWorkload, process_alloc_conf, program_workload
 
 if TYPE_CHECKING:
@@ -84,11 +91,18 @@ class ForecastResults:
     budget: FitBudget | None = None          # the fit budget of the last successful cycle (None: none to read)
     max_fit: MaxFit | None = None            # the longest prefill that fits in it (None: no budget, or no forecast)
     helper_cpu_seconds: float = 0.0          # CPU time the helper process spent simulating (not this process's)
+    snapshot_reader: str | None = None       # which reader took the last snapshot (snapshot_native.reader)
+    resyncs: dict[str, int] = field(default_factory=dict)   # full snapshots of the event shadow, by reason
 
 
 def _same(segments: Any, last: Any, pause: Callable[[], None], batch: int = 64) -> bool:
-    """Whether two snapshots' segments are equal, compared `batch` segments at a time with a pause between (a
-    whole compare of 5,000 equal segments holds the GIL for several ms)."""
+    """Whether two snapshots' segments are equal: the native reader's bytes as bytes (one memcmp); torch's
+    segments `batch` at a time with a pause between (a whole compare of 5,000 equal segments holds the GIL for
+    several ms)."""
+    if isinstance(segments, ShadowInput):   # the events since the last cycle: none, nothing changed
+        return last is not None and segments.snapshot is None and unchanged(segments.events)
+    if isinstance(segments, bytes) or isinstance(last, bytes):
+        return bool(segments == last)
     if last is None or len(segments) != len(last):
         return False
     for start in range(0, len(segments), batch):
@@ -96,6 +110,10 @@ def _same(segments: Any, last: Any, pause: Callable[[], None], batch: int = 64) 
             return False
         pause()
     return True
+
+
+class ShadowGone(Exception):
+    """The helper's event shadow was lost this cycle: take a full snapshot now."""
 
 
 class SimulationFailed(Exception):
@@ -126,13 +144,15 @@ class Forecaster:
         self._checked_confs: dict[str, str | None] = {}   # alloc conf -> None (simulable) or the error
         # The simulation's process (helper.py); None: in this process (tests, and where asked).
         self._helper: ForecastHelper | None = ForecastHelper() if helper else None
+        self._native = NativeSnapshots(environ)   # CUDA's segments without the GIL, where it builds and loads
         self._reset_threads()
 
     def _reset_threads(self) -> None:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_key: tuple | None = None      # (device, workload, alloc conf) of the last forecasts
+        # (device, workload, alloc conf) of the last forecasts
+        self._last_key: tuple[int | None, ForecastWorkload, str] | None = None
         self._last_segments: Any = None          # and the snapshot's segments they started from
         self._said_no_budget = False
         self._said_off = False
@@ -141,6 +161,9 @@ class Forecaster:
         self._unlogged = 0
         self._announced: ForecastWorkload | None = None
         self._said_no_snapshot = False
+        self._following: tuple[Any, ...] | None = None   # the event shadow's (device, conf) the helper follows
+        self._resync_reason = START                      # why the next full snapshot is taken
+        self._total_memory: dict[int, int | None] = {}
 
     # ---- the workload ---------------------------------------------------------------------------
 
@@ -227,7 +250,7 @@ class Forecaster:
                      ", ".join(f"{n:,}" for n in self.tokens), workload.describe())
         taken_at = self.clock()   # the forecast is the allocator's as of this moment
         try:
-            taken = self.reader().snapshot()
+            taken = self._take()
         except Exception as error:
             self._failed(SNAPSHOT, error, started)
             return False
@@ -265,7 +288,15 @@ class Forecaster:
         if self._stop.is_set():
             return False
         try:
-            output = self._simulate(segments, device, workload, conf, () if same else self.tokens, base, pause)
+            try:
+                output = self._simulate(segments, device, workload, conf, () if same else self.tokens, base, pause)
+            except ShadowGone:   # the shadow was lost on these events: a full snapshot now
+                taken = self._take()
+                if taken is None:
+                    return False
+                segments, device = taken
+                same = False
+                output = self._simulate(segments, device, workload, conf, self.tokens, base, pause)
         except SimulationFailed as failure:
             self._failed(failure.reason, failure.message, started)
             return False
@@ -275,24 +306,90 @@ class Forecaster:
         self._succeeded(workload, forecasts, started, taken_at, output.budget, output.max_fit)
         return True
 
+    def _take(self) -> tuple[Any, int | None] | None:
+        """(the segments: bytes from the native reader, else torch's or the source's list; the device), or None
+        (nothing to forecast from yet). Raises what the snapshot raises."""
+        reader = self.reader()
+        if isinstance(reader, allocator.CudaAllocatorReader):
+            device = reader.bound_device
+            if device is None:
+                return None
+            data = self._native.take() if self._helper is None or not self._native.events_on() else None
+            kind = self._native.reader
+            taken: tuple[Any, int | None] | None
+            if self._helper is not None and self._native.events_on():
+                taken = (self._shadow_input(device), device)
+            else:
+                taken = reader.snapshot() if data is None else (data, device)
+        else:
+            kind, taken = ALLOCATOR_SOURCE, reader.snapshot()
+        if taken is not None and self.results.snapshot_reader != kind:
+            with self._lock:
+                self.results = replace(self.results, snapshot_reader=kind)
+        return taken
+
+    def _shadow_input(self, device: int) -> ShadowInput:
+        """The events since the last cycle where the helper follows this device; else a full native snapshot and the
+        events logged around it (the shadow starts again there; counted by reason)."""
+        options = {"device": device, "conf": process_alloc_conf(self.environ),
+                   "total_memory": self._device_memory(device)}
+        key = (device, options["conf"])
+        if self._following == key:
+            events = self._native.take_events()
+            if not unchanged(events):
+                self._following = None   # until the helper says it replayed them
+            return ShadowInput(events, None, options)
+        reason, self._resync_reason = self._resync_reason, LOST
+        with self._lock:
+            resyncs = dict(self.results.resyncs)
+            resyncs[reason] = resyncs.get(reason, 0) + 1
+            self.results = replace(self.results, resyncs=resyncs)
+        self._following = None
+        snapshot = self._native.take()
+        assert snapshot is not None
+        return ShadowInput(self._native.take_events(), snapshot, options)
+
+    def _device_memory(self, device: int) -> int | None:
+        if device not in self._total_memory:
+            try:
+                torch = sys.modules["torch"]
+                self._total_memory[device] = int(torch.cuda.get_device_properties(device).total_memory)
+            except Exception:
+                self._total_memory[device] = None
+        return self._total_memory[device]
+
     def _simulate(self, segments: Any, device: int | None, workload: ForecastWorkload, conf: str,
                   tokens: tuple[int, ...], base: BudgetBase | None, pause: Callable[[], None]) -> CycleOutput:
         """The cycle's simulation: in the helper process (helper.py), or here without one. SimulationFailed."""
         from telemetry.hook.forecast.compute import decode_output, encode_request, run_cycle
+        from telemetry.hook.forecast.snapshot_native.codec import SnapshotBytesError
         from telemetry.model.allocsim.snapshot import SnapshotError
 
         if self._helper is None:
             try:
                 return run_cycle(segments, device, workload, conf, tokens, base, pause)
+            except SnapshotBytesError as error:
+                raise SimulationFailed(SNAPSHOT, error) from None
             except SnapshotError as error:
                 raise SimulationFailed(UNSUPPORTED_STATE, error) from None
         try:
             answer = self._helper.cycle(encode_request(device, workload, conf, tokens, base), segments, pause)
         except HelperError as error:
+            self._following = None   # a new helper holds no shadow
             raise SimulationFailed(SIMULATION, error) from None
         with self._lock:
             self.results = replace(self.results,
                                    helper_cpu_seconds=self.results.helper_cpu_seconds + float(answer["cpu_seconds"]))
+        followed = answer.get("shadow")
+        if isinstance(segments, ShadowInput) and isinstance(followed, list) and followed:
+            if followed[0] is True:
+                self._following = (segments.options["device"], segments.options["conf"])
+            else:
+                self._following = None
+                self._resync_reason = str(followed[1]) if len(followed) > 1 else LOST
+                log.debug("memtel: live forecast in pid %d: event shadow lost (%s)", os.getpid(), followed[1:])
+                if answer.get("error") == "shadow":
+                    raise ShadowGone(self._resync_reason)
         if "ok" not in answer:
             raise SimulationFailed(str(answer.get("error", SIMULATION)), answer.get("message", "?"))
         return decode_output(answer["ok"])
@@ -347,13 +444,15 @@ class Forecaster:
         with self._lock:
             old = self.results
             self.results = ForecastResults(workload, forecasts, time.perf_counter() - started, taken_at,
-                                           old.failures, old.cpu_seconds, budget, max_fit, old.helper_cpu_seconds)
+                                           old.failures, old.cpu_seconds, budget, max_fit, old.helper_cpu_seconds,
+                                           old.snapshot_reader, old.resyncs)
 
     def _failed(self, reason: str, error: object, started: float) -> None:
         with self._lock:
             old = self.results
             self.results = ForecastResults(old.workload, (), time.perf_counter() - started, old.last_success_s,
-                                           old.failures, old.cpu_seconds, helper_cpu_seconds=old.helper_cpu_seconds)
+                                           old.failures, old.cpu_seconds, helper_cpu_seconds=old.helper_cpu_seconds,
+                                           snapshot_reader=old.snapshot_reader, resyncs=old.resyncs)
             self._last_key = None
         self._count(reason, error)
 
@@ -402,6 +501,8 @@ class Forecaster:
             thread.join(timeout)
         if self._helper is not None:
             self._helper.close()
+        self._native.stop_events()
+        self._following = None
 
     def reset_after_fork(self) -> None:
         """A forked child has no thread and another allocator: it starts again (with its exporter)."""
@@ -409,6 +510,8 @@ class Forecaster:
         self._reset_threads()
         if self._helper is not None:
             self._helper.forget_after_fork()
+        self._native.forget_after_fork()
+        self._following, self._resync_reason = None, START
         if stopped:
             self._stop.set()
         self.results = ForecastResults(self.results.workload)

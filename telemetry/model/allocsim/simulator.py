@@ -128,6 +128,9 @@ class CachingAllocatorSim:
 
     `config` is a `PYTORCH_CUDA_ALLOC_CONF` string (or a parsed AllocatorConfig).
     `capacity_bytes` is the device memory the allocator may reserve (None: unlimited).
+    `release_cache_on_oom` False: beyond `capacity_bytes` the allocation fails at once, without freeing cached
+    blocks and retrying first (what a limit this allocator does not see itself looks like: a share of a node
+    that other processes may fill first).
     `total_memory` is the device's total memory, which `per_process_memory_fraction` is a fraction of and which
     sizes the expandable segments' address range (None: `capacity_bytes`, else an H200's).
     `on_segment_map(segment_id, nbytes)` / `on_segment_unmap(segment_id, nbytes)` are called when
@@ -148,8 +151,10 @@ class CachingAllocatorSim:
         on_segment_unmap: SegmentCallback | None = None,
         address_space: Any = None,
         total_memory: int | None = None,
+        release_cache_on_oom: bool = True,
     ) -> None:
         self.config = config if isinstance(config, AllocatorConfig) else parse_alloc_conf(config)
+        self.release_cache_on_oom = release_cache_on_oom
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -207,6 +212,11 @@ class CachingAllocatorSim:
         """Bytes the allocator gave the allocation `handle` (its block, after rounding)."""
         block = self._live[handle]
         return 0 if block is None else block.size
+
+    def block_address(self, handle: int) -> int | None:
+        """The address of the allocation `handle`'s block (None for a zero-byte allocation)."""
+        block = self._live[handle]
+        return None if block is None else block.addr
 
     def malloc(self, nbytes: int) -> int:
         """Allocate `nbytes` (as `torch.empty(nbytes, dtype=uint8)`); returns a handle for free()."""
@@ -380,9 +390,9 @@ class CachingAllocatorSim:
             if self._gc:
                 self._garbage_collect()
             block = self._alloc_block(pool, size, alloc_size, False)
-            if block is None and self._release_available_cached_blocks(pool, size):
+            if block is None and self.release_cache_on_oom and self._release_available_cached_blocks(pool, size):
                 block = self._alloc_block(pool, size, alloc_size, False)
-            if block is None:
+            if block is None and self.release_cache_on_oom:
                 self._release_cached_blocks()
                 block = self._alloc_block(pool, size, alloc_size, True)
             if block is None:

@@ -23,8 +23,10 @@ less for a larger request of the same class. tests/indexer/test_fit.py checks it
 length on small shapes under several allocator settings.
 
 The limit is what the simulated allocator may reserve in all (`capacity_bytes`): its cache is freed and the
-call retried before it runs out, as the real allocator does. A memory fraction in the allocator settings
-applies as in the process, against `total_memory`.
+call retried before it runs out, as the real allocator does when the limit is its own (the device, a memory
+fraction, a node it has alone). Where the limit is a share of a node that other ranks also fill
+(`release_cache_on_oom=False`), a prefill fits only if the allocator never reserves beyond it. A memory
+fraction in the allocator settings applies as in the process, against `total_memory`.
 """
 
 from __future__ import annotations
@@ -76,10 +78,15 @@ class MaxFit:
 
 def max_prefill_tokens(state: AllocatorState, shape: IndexerShape, *, limit_bytes: int, max_tokens: int | None = None,
                        mode: Mode = "stock", alloc_conf: str | None = None, pattern: LaunchPattern | None = None,
-                       total_memory: int | None = None, pause: Callable[[], None] | None = None) -> MaxFit:
+                       total_memory: int | None = None, pause: Callable[[], None] | None = None,
+                       release_cache_on_oom: bool = True) -> MaxFit:
     """The longest prefill that fits within `limit_bytes` of reserved memory (see the module).
 
     max_tokens: the longest length to consider (None: the shape's max_model_len).
+    release_cache_on_oom: False where the limit is a share of memory that the allocator does not see (ranks that
+    share one node): a prefill fits only if its allocator never reserves beyond the limit, even with cached
+    blocks it could have freed (another rank may fill the node first, and each allocator frees its cache only
+    when the node is full).
     The other arguments are `forecast()`'s. Raises ConfigError for a state or setting the simulator cannot start
     from, or a bad limit.
     """
@@ -98,7 +105,8 @@ def max_prefill_tokens(state: AllocatorState, shape: IndexerShape, *, limit_byte
         nonlocal runs
         runs += 1
         return simulate_prefill(state, shape, tokens, mode=mode, alloc_conf=alloc_conf, pattern=launch_pattern,
-                                capacity_bytes=limit_bytes, total_memory=total_memory, pause=pause)
+                                capacity_bytes=limit_bytes, total_memory=total_memory, pause=pause,
+                                release_cache_on_oom=release_cache_on_oom)
 
     def answer(tokens: int, peak: int) -> MaxFit:
         return MaxFit(tokens, top, limit_bytes, start, peak, tokens + 1 if tokens < top else None, runs)

@@ -159,14 +159,18 @@ def forecast(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: M
 def simulate_prefill(state: AllocatorState, shape: IndexerShape, tokens: int, *, mode: Mode = "stock",
                      alloc_conf: str | None = None, pattern: LaunchPattern | None = None,
                      capacity_bytes: int | None = None, total_memory: int | None = None,
-                     pause: Callable[[], None] | None = None) -> tuple[Forecast, _Watch]:
+                     pause: Callable[[], None] | None = None,
+                     release_cache_on_oom: bool = True) -> tuple[Forecast, _Watch]:
     """`forecast()`, with the observer that watched it: its `step` (where an out-of-memory stopped it) and
-    `step_peaks` (the peak reserved through each chunk step), for the longest-prefill search (fit.py)."""
+    `step_peaks` (the peak reserved through each chunk step), for the longest-prefill search (fit.py).
+    release_cache_on_oom: as `CachingAllocatorSim`'s (False: `capacity_bytes` is a share the allocator does not
+    see, so no cached block is freed to stay within it)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ConfigError(f"forecast tokens must be a positive integer, got {tokens!r}")
     mode = check_mode(mode)
     conf = alloc_conf if alloc_conf is not None else (state.alloc_conf or "")
-    sim = seeded_simulator(state, conf, capacity_bytes=capacity_bytes, total_memory=total_memory)
+    sim = seeded_simulator(state, conf, capacity_bytes=capacity_bytes, total_memory=total_memory,
+                           release_cache_on_oom=release_cache_on_oom)
     start = AllocatorCounters(sim.reserved_bytes, sim.allocated_bytes, 0, 0)
     watch = _Watch(sim, pause)
     out_of_memory = False
