@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from tests.support.ports import free_port
+from tests.support.ports import free_port, free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -26,7 +26,8 @@ def lab_arm(name: str, mode: str, *, max_model_len: int = 65536, chunk: int = 10
             budget_mb: str = "64", scale: str = "0.25", time_scale: str = "0", ranks: int = 1,
             extra: tuple[str, ...] = ()) -> dict:
     """A served lab arm with the hook on (its exporter on a free port, its call log under the run directory)."""
-    port, hook = free_port(), free_port()
+    port = free_port_block(1 + ranks)   # one block: two free_port() calls can return the same port
+    hook = port + 1
     command = [sys.executable, "-m", "telemetry", "lab", "serve", "--arm", mode, "--port", str(port),
                "--host", "127.0.0.1", "--model-name", "lab", "--allocator", "sim", "--ranks", str(ranks),
                "--max-model-len", str(max_model_len), "--chunk", str(chunk), "--layers", str(layers),

@@ -63,9 +63,10 @@ def test_the_command_serves_its_metrics_and_stops_cleanly_on_sigterm(tmp_path):
     import time
     from pathlib import Path
 
-    from tests.support.ports import free_port
+    from tests.support.ports import free_port_block
 
-    port, metrics = free_port(), free_port()
+    port = free_port_block(2)   # one block: two free_port() calls can return the same port
+    metrics = port + 1
     root = Path(__file__).resolve().parents[2]
     log = tmp_path / "guard.log"
     with open(log, "wb") as out:

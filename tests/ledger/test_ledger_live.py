@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.ports import free_port
+from tests.support.ports import free_port, free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = ("127.0.0.2", "127.0.0.3")
@@ -55,7 +55,8 @@ def pair(tmp_path_factory) -> Iterator[Pair]:
     try:
         engines = {}
         for node in NODES:
-            port, hook_port = free_port(), free_port()
+            port = free_port_block(2)   # one block: two free_port() calls can return the same port
+            hook_port = port + 1
             state = base / node
             state.mkdir()
             log = open(base / f"daemon-{node}.log", "wb")  # noqa: SIM115 - closed with the process
