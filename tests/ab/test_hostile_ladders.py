@@ -168,14 +168,18 @@ def test_resume_stops_a_server_started_from_a_console_script_that_a_killed_run_l
     command = arm["serve"]["command"]
     assert command[1:4] == ["-m", "telemetry", "lab"]
     arm["serve"]["command"] = [str(MEMTEL), *command[3:]]  # `memtel lab serve ...`: argv[0] is the interpreter
+    # Steps after s1 keep the harness busy: at time scale 0 it finished the two steps and stopped its server
+    # before it was killed in about one run in five (the server was already shutting down when resumed).
+    more = [{"label": f"s{n}", "tokens": 12000, "seed": n} for n in range(3, 7)]
     ladder = _write(tmp_path / "ladder.yaml", {"model": "lab", "request": {"max_tokens": 4, "check_answer": False},
-                                              "arms": [arm], "steps": STEPS})
+                                              "arms": [arm], "steps": [*STEPS, *more]})
     run_dir, log = tmp_path / "run", tmp_path / "harness.log"
     proc = harness(["run", str(ladder), "--out", str(run_dir)], log)
     leader = None
     try:
         start = wait_for(lambda: events(run_dir, "serve_start"), 120, "the server's start", proc, log)[0]
         wait_for(lambda: events(run_dir, "request", step="s1"), 120, "the first request", proc, log)
+        os.kill(proc.pid, signal.SIGSTOP)   # the harness goes no further (its kill below ends it all the same)
         leader = start["pid"]
         info = process_info(leader)
         assert info is not None and info.start_time_ticks == start["start_time_ticks"]
@@ -186,7 +190,9 @@ def test_resume_stops_a_server_started_from_a_console_script_that_a_killed_run_l
             os.kill(pid, signal.SIGKILL)
         proc.kill()
         proc.wait(timeout=30)
-        assert process_info(leader) is not None, "the server must still run for the case to be tested"
+        alive = process_info(leader)
+        assert alive is not None and alive.state != "Z", "the server must still run for the case to be tested"
+        assert "signal 15" not in (run_dir / "logs" / "stock-r0-serve.log").read_text(), "nothing stopped it yet"
         assert not events(run_dir, "serve_stop")
 
         result = _ab(["run", str(ladder), "--out", str(run_dir), "--resume"], timeout=300)
@@ -195,7 +201,8 @@ def test_resume_stops_a_server_started_from_a_console_script_that_a_killed_run_l
         assert f"(pid {leader}) was stopped" in result.stderr
         gone = process_info(leader)
         assert gone is None or gone.start_time_ticks != start["start_time_ticks"]
-        assert [(r["step"], r["ok"]) for r in events(run_dir, "request")][-2:] == [("s1", True), ("s2", True)]
+        labels = [step["label"] for step in [*STEPS, *more]]   # the superseded block again, whole
+        assert [(r["step"], r["ok"]) for r in events(run_dir, "request")][-len(labels):] == [(x, True) for x in labels]
         assert len(events(run_dir, "serve_start")) == 2 and len(events(run_dir, "block_superseded")) == 1
     finally:
         if proc.poll() is None:
