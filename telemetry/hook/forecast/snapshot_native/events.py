@@ -19,16 +19,26 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from telemetry.hook.forecast.snapshot_native.codec import SnapshotBytesError
+from telemetry.model.allocsim.trace import (
+    ACTION_CODES,
+    ALLOC,
+    FREE_COMPLETED,
+    FREE_REQUESTED,
+    OOM,
+    SEGMENT_ALLOC,
+    SEGMENT_FREE,
+    SEGMENT_MAP,
+    SEGMENT_UNMAP,
+    SNAPSHOT,
+)
 
 MAGIC = b"MTAE"
 EVENTS_VERSION = 1
 HEADER = struct.Struct("<4sHHII")
 RECORD = struct.Struct("<BBhIQQQQQ")
 OVERFLOWED, NO_POOL = 1, 2
-# c10's TraceEntry::Action, in its order
-ALLOC, FREE_REQUESTED, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, SNAPSHOT, OOM = range(9)
-ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
-           "segment_unmap", "snapshot", "oom")
+# c10's TraceEntry::Action codes: the ones the allocation history's reader (trace.py) already names, in c10's order
+ACTIONS = tuple(sorted(ACTION_CODES, key=ACTION_CODES.__getitem__))
 MAX_EVENTS = 1 << 22   # the extension's default cap between two takes (4,194,304 records, 192 MiB of bytes)
 
 
@@ -95,5 +105,6 @@ def encode_events(events: Iterable[Event | tuple[int, int, int, int, int, tuple[
     return HEADER.pack(MAGIC, EVENTS_VERSION, flags, len(records), 0) + b"".join(records)
 
 
-__all__ = ["ACTIONS", "EVENTS_VERSION", "Event", "EventBytesError", "EventLog", "decode_events", "encode_events",
-           "unchanged"]
+__all__ = ["ACTIONS", "ALLOC", "EVENTS_VERSION", "FREE_COMPLETED", "FREE_REQUESTED", "OOM", "SEGMENT_ALLOC",
+           "SEGMENT_FREE", "SEGMENT_MAP", "SEGMENT_UNMAP", "SNAPSHOT", "Event", "EventBytesError", "EventLog",
+           "decode_events", "encode_events", "unchanged"]
