@@ -117,10 +117,17 @@ class ArmServer:
         self.writer.write(ServeStop(pgid=server.pid, how=how, exit_code=server.process.returncode))
 
     def alive(self, arm: Arm) -> bool:
+        """The server can take the next request: a served arm's process is running and its health URL answers
+        200; an external arm's /health answers 200. The process alone is not enough: a request can fail on a
+        server that was killed a moment before its leader is gone, and a server whose engine died can outlive it."""
         if self.process is not None:
-            return self.process.alive()
+            if not self.process.alive():
+                return False
+            health_url = self.process.spec.health_url
+        else:
+            health_url = arm.url + "/health"
         try:
-            return self.http.get(arm.url + "/health", timeout=5.0).status_code == 200
+            return self.http.get(health_url, timeout=5.0).status_code == 200
         except httpx.HTTPError:
             return False
 

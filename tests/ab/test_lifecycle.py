@@ -92,10 +92,21 @@ def test_a_served_arm_is_started_recorded_with_its_expanded_env_and_hook_log_dir
                                                                   "MEMTEL_TARGETS": "x"},
                      startup_timeout_s=30, stop_grace_s=5)
     arm = Arm("a", f"http://127.0.0.1:{port}", serve=spec)
-    server, records, logs = arm_server(tmp_path, lambda request: httpx.Response(200))
+    health = {"code": 200}
+    asked: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        asked.append(str(request.url))
+        return httpx.Response(health["code"])
+
+    server, records, logs = arm_server(tmp_path, handle)
     try:
         server.start(arm, 1)
         assert server.alive(arm)
+        # Running but not answering its health URL (killed a moment ago, or its engine died): not alive.
+        health["code"] = 503
+        assert not server.alive(arm)
+        assert asked == [spec.health_url, spec.health_url]
     finally:
         server.stop()
     start, ready, stop = records.records
