@@ -55,9 +55,46 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+# ---- two workers (scripts/test runs pytest-xdist with `--dist loadgroup`; docs/testing.md, "Workers") -----------
+# A group runs in one worker, in collection order: a module (its module fixtures start once), or tests that share
+# something bigger than a module. The groups that take longest go first, so that no worker is left with one of
+# them at the end while the other idles.
+SHARED_GROUPS = {
+    "kmsg": "every test that writes marked lines into the one kernel log (they count each other's lines)",
+    "vllm-shared": "the session's shared vLLM launches (tests/support/vllm_shared.py)",
+    "live-stack": "the Prometheus and Alertmanager stack of tests/dashboards (its package fixture)",
+}
+LONGEST_FIRST = ("tests/ab/test_vllm_ladder.py", "live-stack", "vllm-shared", "tests/alerts/test_score.py",
+                 "tests/ab/test_lab_ladder.py", "tests/daemon/test_flight_daemon.py", "kmsg",
+                 "tests/demo/test_demo.py", "tests/dashboards/test_prometheus_rules.py")
+_SHARED_VLLM = {"vllm_servers", "vllm_counting", "vllm_indexer", "vllm_under_run"}
+
+
+def worker_group(item: pytest.Item) -> str:
+    """The xdist group of a test: a shared group (SHARED_GROUPS) or its module's path."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if item.get_closest_marker("kmsg") is not None:
+        return "kmsg"
+    if fixtures & _SHARED_VLLM:
+        return "vllm-shared"
+    if "live_stack" in fixtures:
+        return "live-stack"
+    return item.nodeid.split("::", 1)[0]
+
+
+def _order_for_workers(items: list[pytest.Item]) -> None:
+    """Mark each test with its group and put the longest groups first (the rest keep their order)."""
+    groups = {id(item): worker_group(item) for item in items}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    rank = {group: index for index, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(groups[id(item)], len(rank)))  # stable: collection order within
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from tests.support.kmsg import SKIP_REASON, opted_in
 
+    _order_for_workers(items)
     if not opted_in():
         skip_kmsg = pytest.mark.skip(reason=SKIP_REASON)
         for item in items:

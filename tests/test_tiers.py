@@ -70,3 +70,25 @@ def test_a_module_needing_a_missing_extra_is_skipped_with_its_reason(tmp_path):
             "installed: pip install 'memtel[harness]'") in out, out
     assert "ERROR" in out and "memtel_no_such_core_module" in out, out  # an import error of anything else stays one
     assert result.returncode != 0
+
+
+def test_each_test_runs_in_its_worker_group_and_the_longest_groups_go_first(request: pytest.FixtureRequest) -> None:
+    """scripts/test's workers (docs/testing.md, "Workers"): every collected test carries the group
+    tests/conftest.py gives it, a group's tests are next to each other, and the groups named to go first do."""
+    from tests.conftest import LONGEST_FIRST, SHARED_GROUPS, worker_group
+
+    for name in LONGEST_FIRST:
+        assert name in SHARED_GROUPS or (ROOT / name).is_file(), f"LONGEST_FIRST names {name}: no such group"
+    groups = []
+    for item in request.session.items:
+        marks = [m.args[0] for m in item.iter_markers("xdist_group")]
+        assert marks == [worker_group(item)], item.nodeid
+        if item.get_closest_marker("kmsg") is not None:
+            assert marks == ["kmsg"], item.nodeid
+        if {"vllm_counting", "vllm_indexer", "vllm_under_run"} & set(item.fixturenames):
+            assert marks == ["vllm-shared"], item.nodeid
+        if not groups or groups[-1] != marks[0]:
+            groups.append(marks[0])
+    assert len(groups) == len(set(groups)), f"a group's tests are apart: {groups}"
+    first = [g for g in groups if g in LONGEST_FIRST]
+    assert groups[:len(first)] == sorted(first, key=LONGEST_FIRST.index)
