@@ -55,46 +55,55 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-# ---- two workers (scripts/test runs pytest-xdist with `--dist loadgroup`; docs/testing.md, "Workers") -----------
-# A group runs in one worker, in collection order: a module (its module fixtures start once), or tests that share
-# something bigger than a module. The groups that take longest go first, so that no worker is left with one of
-# them at the end while the other idles.
+# ---- two workers (scripts/test runs pytest-xdist; docs/testing.md, "Workers") ------------------------------------
+# A group runs in one worker, its tests in collection order: a module (its module fixtures start once), or the
+# modules that share something bigger than a module (SHARED_GROUPS). The groups that take longest go first, so
+# that no worker is left with one of them at the end while the other idles. xdist's own `loadgroup` reads marks
+# into the test ids, which pytest 9.2 no longer honours: the groups are made here, from each test's module, by
+# the scheduler below.
 SHARED_GROUPS = {
-    "kmsg": "every test that writes marked lines into the one kernel log (they count each other's lines)",
-    "vllm-shared": "the session's shared vLLM launches (tests/support/vllm_shared.py)",
-    "live-stack": "the Prometheus and Alertmanager stack of tests/dashboards (its package fixture)",
+    "kmsg": ("tests/daemon/test_agent_remote_write.py", "tests/daemon/test_daemon_kmsg.py",
+             "tests/daemon/test_test_lines.py"),  # they write marked lines into the one kernel log and count them
+    "vllm-shared": ("tests/guard/test_vllm_guard.py", "tests/hook/test_forecast_vllm.py",
+                    "tests/hook/test_vllm_real.py", "tests/run/test_vllm_run.py"),  # tests/support/vllm_shared.py
+    "live-stack": ("tests/dashboards/test_live_alertmanager.py", "tests/dashboards/test_live_prometheus.py",
+                   "tests/dashboards/test_live_prometheus_collapse.py"),  # tests/dashboards/conftest.py's stack
 }
 LONGEST_FIRST = ("tests/ab/test_vllm_ladder.py", "live-stack", "vllm-shared", "tests/alerts/test_score.py",
                  "tests/ab/test_lab_ladder.py", "tests/daemon/test_flight_daemon.py", "kmsg",
                  "tests/demo/test_demo.py", "tests/dashboards/test_prometheus_rules.py")
-_SHARED_VLLM = {"vllm_servers", "vllm_counting", "vllm_indexer", "vllm_under_run"}
+_SHARED_VLLM = {"vllm_servers", "vllm_counting", "vllm_indexer", "vllm_under_run"}  # the fixtures of vllm-shared
+_GROUP_OF_MODULE = {module: group for group, modules in SHARED_GROUPS.items() for module in modules}
 
 
-def worker_group(item: pytest.Item) -> str:
-    """The xdist group of a test: a shared group (SHARED_GROUPS) or its module's path."""
-    fixtures = set(getattr(item, "fixturenames", ()))
-    if item.get_closest_marker("kmsg") is not None:
-        return "kmsg"
-    if fixtures & _SHARED_VLLM:
-        return "vllm-shared"
-    if "live_stack" in fixtures:
-        return "live-stack"
-    return item.nodeid.split("::", 1)[0]
+def worker_group(nodeid: str) -> str:
+    """The group a test runs in: its module's shared group, or its module."""
+    module = nodeid.split("::", 1)[0]
+    return _GROUP_OF_MODULE.get(module, module)
 
 
-def _order_for_workers(items: list[pytest.Item]) -> None:
-    """Mark each test with its group and put the longest groups first (the rest keep their order)."""
-    groups = {id(item): worker_group(item) for item in items}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+def _longest_first(items: list[pytest.Item]) -> None:
     rank = {group: index for index, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(groups[id(item)], len(rank)))  # stable: collection order within
+    items.sort(key=lambda item: rank.get(worker_group(item.nodeid), len(rank)))  # stable: collection order within
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """With `--dist loadscope`, schedule by worker_group instead of by module alone."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from tests.support.kmsg import SKIP_REASON, opted_in
 
-    _order_for_workers(items)
+    _longest_first(items)
     if not opted_in():
         skip_kmsg = pytest.mark.skip(reason=SKIP_REASON)
         for item in items:

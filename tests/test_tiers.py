@@ -72,23 +72,28 @@ def test_a_module_needing_a_missing_extra_is_skipped_with_its_reason(tmp_path):
     assert result.returncode != 0
 
 
-def test_each_test_runs_in_its_worker_group_and_the_longest_groups_go_first(request: pytest.FixtureRequest) -> None:
-    """scripts/test's workers (docs/testing.md, "Workers"): every collected test carries the group
-    tests/conftest.py gives it, a group's tests are next to each other, and the groups named to go first do."""
-    from tests.conftest import LONGEST_FIRST, SHARED_GROUPS, worker_group
+def test_tests_that_share_a_resource_run_in_one_worker_and_the_longest_groups_go_first(
+        request: pytest.FixtureRequest) -> None:
+    """scripts/test's workers (docs/testing.md, "Workers"): a test that writes into the kernel log, uses a shared
+    vLLM launch or the live Prometheus stack is in that resource's group (else two workers would share or
+    double it); a group's tests are next to each other; the groups named to go first do."""
+    from tests.conftest import _SHARED_VLLM, LONGEST_FIRST, SHARED_GROUPS, worker_group
 
     for name in LONGEST_FIRST:
         assert name in SHARED_GROUPS or (ROOT / name).is_file(), f"LONGEST_FIRST names {name}: no such group"
-    groups = []
+    for modules in SHARED_GROUPS.values():
+        assert all((ROOT / module).is_file() for module in modules), modules
+    needs = {"kmsg": lambda item: item.get_closest_marker("kmsg") is not None,
+             "vllm-shared": lambda item: bool(_SHARED_VLLM & set(item.fixturenames)),
+             "live-stack": lambda item: "live_stack" in item.fixturenames}
+    groups: list[str] = []
     for item in request.session.items:
-        marks = [m.args[0] for m in item.iter_markers("xdist_group")]
-        assert marks == [worker_group(item)], item.nodeid
-        if item.get_closest_marker("kmsg") is not None:
-            assert marks == ["kmsg"], item.nodeid
-        if {"vllm_counting", "vllm_indexer", "vllm_under_run"} & set(item.fixturenames):
-            assert marks == ["vllm-shared"], item.nodeid
-        if not groups or groups[-1] != marks[0]:
-            groups.append(marks[0])
+        group = worker_group(item.nodeid)
+        for shared, uses in needs.items():
+            assert not uses(item) or group == shared, \
+                f"{item.nodeid} needs {shared}: add its module to SHARED_GROUPS[{shared!r}] in tests/conftest.py"
+        if not groups or groups[-1] != group:
+            groups.append(group)
     assert len(groups) == len(set(groups)), f"a group's tests are apart: {groups}"
     first = [g for g in groups if g in LONGEST_FIRST]
     assert groups[:len(first)] == sorted(first, key=LONGEST_FIRST.index)
