@@ -91,7 +91,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """With `--dist loadscope`, schedule by worker_group instead of by module alone."""
     if config.getvalue("dist") != "loadscope":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
