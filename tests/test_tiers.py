@@ -97,3 +97,14 @@ def test_tests_that_share_a_resource_run_in_one_worker_and_the_longest_groups_go
     assert len(groups) == len(set(groups)), f"a group's tests are apart: {groups}"
     first = [g for g in groups if g in LONGEST_FIRST]
     assert groups[:len(first)] == sorted(first, key=LONGEST_FIRST.index)
+
+
+@pytest.mark.parametrize("workers", ["two", "-1", "2 "])
+def test_a_bad_worker_count_is_one_line_and_exit_2_before_any_set_up(workers: str, tmp_path: Path) -> None:
+    """MEMTEL_TEST_WORKERS is checked before scripts/test sets anything up (no venv, no apt, no pytest)."""
+    env = {**os.environ, "MEMTEL_TEST_WORKERS": workers}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "test"), "--fast", "tests/test_ports.py"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("scripts/test: MEMTEL_TEST_WORKERS must be a whole number (0: no workers), "
+                             f"not '{workers}'\n")
