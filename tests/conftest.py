@@ -87,6 +87,7 @@ def _longest_first(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(worker_group(item.nodeid), len(rank)))  # stable: collection order within
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: pytest refuses an unknown hook where xdist is absent
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """With `--dist loadscope`, schedule by worker_group instead of by module alone."""
     if config.getvalue("dist") != "loadscope":

@@ -108,3 +108,13 @@ def test_a_bad_worker_count_is_one_line_and_exit_2_before_any_set_up(workers: st
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == ("scripts/test: MEMTEL_TEST_WORKERS must be a whole number (0: no workers), "
                              f"not '{workers}'\n")
+
+
+def test_the_suite_collects_without_xdist() -> None:
+    """A CUDA machine with the core dependencies only (`pytest -m gpu`) has no pytest-xdist: the conftest's
+    scheduler hook must not stop collection there."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider",
+                             "--collect-only", "-q", "-m", "gpu", "tests/hook"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "test_forecast_gpu.py" in result.stdout
