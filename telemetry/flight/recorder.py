@@ -27,8 +27,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
+from telemetry.catalogue.metrics import (
+    FLIGHT_LAST_RECORD_BYTES,
+    FLIGHT_LAST_RECORD_TIME,
+    FLIGHT_LAST_WRITE_DURATION,
+    FLIGHT_PREVIOUS_BOOT_LAST_RECORD_TIME,
+    FLIGHT_PREVIOUS_BOOT_MIN_HEADROOM,
+    FLIGHT_PREVIOUS_BOOT_RECORDS,
+    FLIGHT_RECORDING,
+    FLIGHT_RECORDS_WRITTEN,
+    FLIGHT_WRITE_FAILURES,
+)
 from telemetry.flight.ring import (
     Record,
     RingContents,
@@ -315,38 +326,14 @@ class FlightRecorder:
         with self._lock:
             recording, written, failures = self.recording, self.records_written, self.write_failures
             last_time, last_write, last_bytes = self.last_record_time, self.last_write_seconds, self.last_record_bytes
-        families: list[Metric] = [
-            GaugeMetricFamily("memtel_flight_recording",
-                              "1 if the flight recorder's last record was written and made durable, else 0.",
-                              value=1 if recording else 0),
-            CounterMetricFamily("memtel_flight_records_written", "Records written to the flight ring since start.",
-                                value=written),
-            CounterMetricFamily("memtel_flight_write_failures",
-                                "Failed attempts to create or write the flight ring since start.", value=failures),
-        ]
-        if last_time is not None:
-            families.append(GaugeMetricFamily("memtel_flight_last_record_timestamp_seconds",
-                                              "Unix time of the last record written.", value=last_time))
-        if last_write is not None:
-            families.append(GaugeMetricFamily("memtel_flight_last_write_duration_seconds",
-                                              "Time the last record took to write and fdatasync.", value=last_write))
-        if last_bytes is not None:
-            families.append(GaugeMetricFamily("memtel_flight_last_record_bytes",
-                                              "Size of the last record on disk (compressed, with its header).",
-                                              value=last_bytes))
+        families: list[Metric] = [FLIGHT_RECORDING.new(1 if recording else 0),
+                                  FLIGHT_RECORDS_WRITTEN.new(written), FLIGHT_WRITE_FAILURES.new(failures)]
+        optional = [(FLIGHT_LAST_RECORD_TIME, last_time), (FLIGHT_LAST_WRITE_DURATION, last_write),
+                    (FLIGHT_LAST_RECORD_BYTES, last_bytes)]
         previous = self.previous
         if previous is not None:
-            families.append(GaugeMetricFamily("memtel_flight_previous_boot_records",
-                                              "Readable records in the previous boot's flight ring.",
-                                              value=previous.records))
-            if previous.last_record_time is not None:
-                families.append(GaugeMetricFamily(
-                    "memtel_flight_previous_boot_last_record_timestamp_seconds",
-                    "Unix time of the previous boot's last flight record: about when that boot ended.",
-                    value=previous.last_record_time))
-            if previous.min_headroom_bytes is not None:
-                families.append(GaugeMetricFamily(
-                    "memtel_flight_previous_boot_min_headroom_bytes",
-                    "Lowest memtel_node_unified_headroom_bytes in the previous boot's flight ring.",
-                    value=previous.min_headroom_bytes))
+            optional += [(FLIGHT_PREVIOUS_BOOT_RECORDS, previous.records),
+                         (FLIGHT_PREVIOUS_BOOT_LAST_RECORD_TIME, previous.last_record_time),
+                         (FLIGHT_PREVIOUS_BOOT_MIN_HEADROOM, previous.min_headroom_bytes)]
+        families += [entry.new(value) for entry, value in optional if value is not None]
         return families

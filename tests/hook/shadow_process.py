@@ -29,6 +29,7 @@ from telemetry.hook.forecast.snapshot_native.codec import decode_snapshot, torch
 from telemetry.hook.forecast.snapshot_native.events import decode_events
 from telemetry.hook.forecast.snapshot_native.reader import NativeSnapshots, coalesced
 from telemetry.model.allocsim.snapshot import read_allocator_state
+from tests.hook.gpu_forecast import hooked_forecaster
 
 MIB = 1 << 20
 CONF = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -181,23 +182,9 @@ def main() -> int:
 def hooked_forecast() -> dict[str, Any]:
     """The hook's forecast thread with the event shadow: its first cycle, then allocations, then one more cycle
     (run here while the thread waits out its interval), against `forecast()` on torch's snapshot."""
-    import telemetry
-    from telemetry.hook.forecast import set_forecast_workload
-    from telemetry.model.indexer.backends import CudaBackend
     from telemetry.model.indexer.forecast import forecast
-    from telemetry.model.indexer.shape import IndexerShape
 
-    shape = IndexerShape(layers=4, chunk=8192, compress_ratio=4, max_model_len=65536, logits_budget_bytes=64 * MIB)
-    set_forecast_workload(shape)
-    backend = CudaBackend(0)
-    handle = telemetry.install(["telemetry.model.indexer.launch:indexer_logits_launch"], port=None,
-                               forecast_tokens=(20000,), forecast_interval_s=3600.0)
-    backend.release(backend.launch(64, 4096, 4096))   # the first hooked call binds the device
-    forecaster = handle.forecaster
-    assert forecaster is not None
-    deadline = time.monotonic() + 120
-    while not forecaster.results.forecasts and time.monotonic() < deadline:
-        time.sleep(0.05)
+    handle, forecaster, shape = hooked_forecaster(3600.0)
     first = forecaster.results
     held = [torch.empty(size, dtype=torch.uint8, device="cuda") for size in (40 * MIB, 7 * MIB, 300_000, 90 * MIB)]
     del held[1]

@@ -22,6 +22,7 @@ import torch
 from telemetry.hook.forecast.snapshot_native.codec import decode_snapshot, torch_fields
 from telemetry.hook.forecast.snapshot_native.reader import NativeSnapshots
 from telemetry.model.allocsim.snapshot import AllocatorState, SnapshotError, read_allocator_state
+from tests.hook.gpu_forecast import hooked_forecaster
 
 MIB = 1 << 20
 
@@ -87,23 +88,9 @@ def main() -> int:
 def hooked_forecast() -> dict[str, object]:
     """The hook's live forecast on this process's allocator (helper process): its reader and its forecast, and
     `forecast()` on torch's snapshot taken right after."""
-    import telemetry
-    from telemetry.hook.forecast import set_forecast_workload
-    from telemetry.model.indexer.backends import CudaBackend
     from telemetry.model.indexer.forecast import forecast
-    from telemetry.model.indexer.shape import IndexerShape
 
-    shape = IndexerShape(layers=4, chunk=8192, compress_ratio=4, max_model_len=65536, logits_budget_bytes=64 * MIB)
-    set_forecast_workload(shape)
-    backend = CudaBackend(0)
-    handle = telemetry.install(["telemetry.model.indexer.launch:indexer_logits_launch"], port=None,
-                               forecast_tokens=(20000,), forecast_interval_s=1.0)
-    backend.release(backend.launch(64, 4096, 4096))   # the first hooked call binds the device
-    forecaster = handle.forecaster
-    assert forecaster is not None
-    deadline = time.monotonic() + 120
-    while not forecaster.results.forecasts and time.monotonic() < deadline:
-        time.sleep(0.05)
+    handle, forecaster, shape = hooked_forecaster(1.0)
     results = forecaster.results
     expected = forecast(read_allocator_state(torch.cuda.memory_snapshot(), device=0), shape, 20000,
                         alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))

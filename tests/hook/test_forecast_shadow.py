@@ -15,19 +15,10 @@ import pytest
 
 from telemetry.hook.forecast.shadow import Shadow, ShadowLost, after_marker
 from telemetry.hook.forecast.snapshot_native.codec import torch_fields
-from telemetry.hook.forecast.snapshot_native.events import (
-    ALLOC,
-    FREE_COMPLETED,
-    FREE_REQUESTED,
-    OOM,
-    SNAPSHOT,
-    Event,
-    EventBytesError,
-    decode_events,
-    encode_events,
-)
+from telemetry.hook.forecast.snapshot_native.events import Event, EventBytesError, decode_events, encode_events
 from telemetry.model.allocsim.simulator import CachingAllocatorSim
 from telemetry.model.allocsim.snapshot import read_allocator_state
+from telemetry.model.allocsim.trace import ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, SNAPSHOT
 
 STREAM = 0x7F00
 CODES = {"segment_alloc": 3, "segment_free": 4, "segment_map": 5, "segment_unmap": 6}

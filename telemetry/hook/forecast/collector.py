@@ -8,34 +8,37 @@ docs/architecture.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from telemetry.catalogue.family import CounterFamily, GaugeFamily
 from telemetry.catalogue.metrics import (
     FAMILIES,
+    FORECAST_CPU,
+    FORECAST_DEVICE_ALLOC,
+    FORECAST_FAILURES,
     FORECAST_FIT_BUDGET,
     FORECAST_HELPER_CPU,
+    FORECAST_LAST_DURATION,
+    FORECAST_LAST_SUCCESS,
     FORECAST_MAX_PREFILL_TOKENS,
+    FORECAST_PEAK_RESERVED,
+    FORECAST_RESERVED_GROWTH,
     FORECAST_SNAPSHOT_READER_INFO,
     FORECAST_SNAPSHOT_RESYNCS,
+    FORECAST_WORKLOAD_INFO,
 )
 from telemetry.hook.forecast.runner import Forecaster
 from telemetry.hook.rank import resolve_rank
 from telemetry.hook.state import HookState
 
-# (Forecast field, metric, help)
+# (Forecast field, family)
 _FORECAST_GAUGES = (
-    ("reserved_growth_bytes", "memtel_forecast_reserved_growth_bytes",
-     "Bytes the caching allocator would add to its reserved bytes during the next prefill of `tokens` tokens, "
-     "forecast by simulating the allocator from its live state (what stays reserved after the prefill)."),
-    ("peak_reserved_bytes", "memtel_forecast_peak_reserved_bytes",
-     "The allocator's highest reserved bytes during the next prefill of `tokens` tokens, forecast from its live "
-     "state (absolute, as memtel_allocator_reserved_bytes counts)."),
-    ("num_device_alloc", "memtel_forecast_device_alloc",
-     "Device allocs (num_device_alloc: cudaMalloc calls, or map calls under expandable segments) the allocator "
-     "would make during the next prefill of `tokens` tokens, forecast from its live state."),
+    ("reserved_growth_bytes", FORECAST_RESERVED_GROWTH),
+    ("peak_reserved_bytes", FORECAST_PEAK_RESERVED),
+    ("num_device_alloc", FORECAST_DEVICE_ALLOC),
 )
 
 
@@ -55,67 +58,44 @@ class ForecastCollector(Collector):
         results = self.forecaster.results
         rank = str((self.state.rank or resolve_rank()).rank)
         node = self.state.node
-        for name, metric, help_text in _FORECAST_GAUGES:
-            family = GaugeMetricFamily(metric, help_text, labels=["tokens", "rank", "node"])
+        for field, entry in _FORECAST_GAUGES:
+            family = entry.new()
             for f in results.forecasts:
-                family.add_metric([str(f.tokens), rank, node], getattr(f, name))
+                family.add_metric([str(f.tokens), rank, node], getattr(f, field))
             yield family
         if results.workload is not None:
             info = results.workload.info_labels()
-            workload = GaugeMetricFamily(
-                "memtel_forecast_workload_info",
-                "1 for the indexer workload the live forecast simulates; `source`: vllm (read from vLLM's config), "
-                "program (set_forecast_workload), config (MEMTEL_FORECAST_SHAPE) or reference (the reference "
-                "workload).", labels=[*info, "rank", "node"])
+            workload = FORECAST_WORKLOAD_INFO.new(labels=[*info, "rank", "node"])
             workload.add_metric([*info.values(), rank, node], 1)
             yield workload
         if results.max_fit is not None and results.budget is not None:
-            for entry, value in ((FORECAST_MAX_PREFILL_TOKENS, results.max_fit.tokens),
-                                 (FORECAST_FIT_BUDGET, results.budget.budget_bytes)):
-                fit = entry.new()
-                fit.add_metric([rank, node], value)
-                yield fit
+            yield _one(FORECAST_MAX_PREFILL_TOKENS, results.max_fit.tokens, rank, node)
+            yield _one(FORECAST_FIT_BUDGET, results.budget.budget_bytes, rank, node)
         if results.last_duration_s is not None:
-            yield _one("memtel_forecast_last_duration_seconds",
-                       "Wall time of the live forecast's last cycle: the allocator snapshot, reading it and simulating "
-                       "every prefill length (only the snapshot when nothing changed since the cycle before).",
-                       results.last_duration_s, rank, node)
+            yield _one(FORECAST_LAST_DURATION, results.last_duration_s, rank, node)
         if results.last_success_s is not None:
-            yield _one("memtel_forecast_last_success_timestamp_seconds",
-                       "Unix time of the allocator snapshot that the live forecast's last successful cycle started "
-                       "from: the forecast is the allocator's as of then.", results.last_success_s, rank, node)
-        cpu = CounterMetricFamily("memtel_forecast_cpu_seconds",
-                                  "CPU time the live forecast's cycles have taken in this process (the cost of its "
-                                  "thread).", labels=["rank", "node"])
-        cpu.add_metric([rank, node], results.cpu_seconds)
-        yield cpu
-        helper_cpu = FORECAST_HELPER_CPU.new()
-        helper_cpu.add_metric([rank, node], results.helper_cpu_seconds)
-        yield helper_cpu
+            yield _one(FORECAST_LAST_SUCCESS, results.last_success_s, rank, node)
+        yield _one(FORECAST_CPU, results.cpu_seconds, rank, node)
+        yield _one(FORECAST_HELPER_CPU, results.helper_cpu_seconds, rank, node)
         if results.snapshot_reader is not None:
             reader = FORECAST_SNAPSHOT_READER_INFO.new()
             reader.add_metric([results.snapshot_reader, rank, node], 1)
             yield reader
         if results.resyncs:
-            resyncs = FORECAST_SNAPSHOT_RESYNCS.new()
-            for reason, count in sorted(results.resyncs.items()):
-                resyncs.add_metric([reason, rank, node], count)
-            yield resyncs
-        failures = CounterMetricFamily("memtel_forecast_failures",
-                                       "Live forecast cycles that failed, by reason: snapshot (taking or reading the "
-                                       "allocator snapshot), unsupported_state (the snapshot holds what the simulator "
-                                       "does not model), settings (allocator settings it cannot simulate), "
-                                       "simulation (any other error, or the helper process failing), budget (the "
-                                       "fit budget could not be read), unavailable (the forecast cannot run in this "
-                                       "process: no CUDA device).", labels=["reason", "rank", "node"])
-        for reason, count in sorted(results.failures.items()):
-            failures.add_metric([reason, rank, node], count)
-        yield failures
+            yield _by_reason(FORECAST_SNAPSHOT_RESYNCS, results.resyncs, rank, node)
+        yield _by_reason(FORECAST_FAILURES, results.failures, rank, node)
 
 
-def _one(name: str, help_text: str, value: float, rank: str, node: str) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, help_text, labels=["rank", "node"])
+def _one(entry: GaugeFamily | CounterFamily, value: float, rank: str, node: str) -> Metric:
+    family = entry.new()
     family.add_metric([rank, node], value)
+    return family
+
+
+def _by_reason(entry: CounterFamily, counts: Mapping[str, int], rank: str, node: str) -> Metric:
+    family = entry.new()
+    for reason, count in sorted(counts.items()):
+        family.add_metric([reason, rank, node], count)
     return family
 
 

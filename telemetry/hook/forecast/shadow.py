@@ -22,21 +22,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from telemetry.hook.forecast.snapshot_native.events import (
-    ACTIONS,
+from telemetry.hook.forecast.snapshot_native.events import Event
+from telemetry.model.allocsim.simulator import CachingAllocatorSim, SimulatedOutOfMemoryError
+from telemetry.model.allocsim.snapshot import DEFAULT_POOL, SnapshotError, read_allocator_state
+from telemetry.model.allocsim.trace import (
+    ACTION_NAMES,
     ALLOC,
     FREE_COMPLETED,
     FREE_REQUESTED,
+    GROW,
     OOM,
     SEGMENT_ALLOC,
-    SEGMENT_FREE,
-    SEGMENT_MAP,
-    SEGMENT_UNMAP,
+    SHRINK,
     SNAPSHOT,
-    Event,
 )
-from telemetry.model.allocsim.simulator import CachingAllocatorSim, SimulatedOutOfMemoryError
-from telemetry.model.allocsim.snapshot import DEFAULT_POOL, SnapshotError, read_allocator_state
+from telemetry.model.allocsim.whatif import empty_cache_explains
 
 # Why the shadow was given up and a full snapshot taken (label `reason` of memtel_forecast_snapshot_resyncs_total).
 START = "start"          # the first snapshot (or the helper process started again)
@@ -49,8 +49,6 @@ NO_MARKER = "no_marker"  # the log does not show where the full snapshot was tak
 LOST = "lost"            # events taken but not replayed (a cycle that stopped early, the helper gone)
 STATE = "state"          # the snapshot holds what the shadow cannot seed from (several streams, ...)
 RESYNC_REASONS = (START, MISMATCH, POOL, STREAM, OOM_EVENT, OVERFLOW, NO_MARKER, LOST, STATE)
-SHRINK_NAMES = {SEGMENT_FREE: "segment_free", SEGMENT_UNMAP: "segment_unmap"}
-GROW_NAMES = {SEGMENT_ALLOC: "segment_alloc", SEGMENT_MAP: "segment_map"}
 Call = tuple[str, int, int]   # (the allocator trace's name of a device call, address, bytes)
 
 
@@ -123,8 +121,8 @@ class Shadow:
                 continue
             self._check(event)
             action = event.action
-            if action in GROW_NAMES or action in SHRINK_NAMES:
-                name = GROW_NAMES.get(action) or SHRINK_NAMES[action]
+            if action in GROW or action in SHRINK:
+                name = GROW.get(action) or SHRINK[action]
                 self.logged.append((action, (name, event.addr, event.size)))
                 if action == SEGMENT_ALLOC:
                     self._addresses.pending.append((event.addr, event.size))
@@ -146,9 +144,9 @@ class Shadow:
             elif action == OOM:
                 raise ShadowLost(OOM_EVENT, f"the allocator ran out of memory on a {event.size:,}-byte request")
             else:   # pragma: no cover - every action of ACTIONS is handled above
-                raise ShadowLost(MISMATCH, f"an event the shadow does not model ({ACTIONS[action]})")
+                raise ShadowLost(MISMATCH, f"an event the shadow does not model ({ACTION_NAMES[action]})")
             self.replayed += 1
-        if self.logged and all(action in SHRINK_NAMES for action, _ in self.logged):
+        if self.logged and all(action in SHRINK for action, _ in self.logged):
             self._settle()   # an empty_cache() at the end of the log: the state now is without those segments
 
     def _check(self, event: Event) -> None:
@@ -165,7 +163,7 @@ class Shadow:
         """Segment frees logged before a free or at the end: an `empty_cache()`, replayed and checked."""
         if not self.logged:
             return
-        if any(action in GROW_NAMES for action, _ in self.logged):
+        if any(action in GROW for action, _ in self.logged):
             raise ShadowLost(MISMATCH, "device allocations that no allocation used")
         self._replay_calls(self.sim.empty_cache, "empty_cache()")
 
@@ -185,20 +183,18 @@ class Shadow:
         return result
 
     def _alloc(self, event: Event) -> None:
-        shrinks = [call for action, call in self.logged if action in SHRINK_NAMES]
-        if shrinks and self.logged[0][0] in SHRINK_NAMES:
-            # Frees before the allocation: its own garbage collection when the simulator would collect just those,
-            # else an empty_cache() that came before it.
-            collected = self.sim.garbage_collection_frees()
-            if not (collected and [size for _, _, size in shrinks[:len(collected)]] == collected):
-                grows = [entry for entry in self.logged if entry[0] in GROW_NAMES]
-                head = [entry for entry in self.logged if entry[0] in SHRINK_NAMES]
-                pending = list(self._addresses.pending)
-                self.logged[:] = head
-                self._addresses.pending.clear()
-                self._replay_calls(self.sim.empty_cache, "empty_cache()")
-                self.logged[:] = grows
-                self._addresses.pending[:] = pending
+        shrinks = [(action, name, size) for action, (name, _, size) in self.logged if action in SHRINK]
+        # Frees before the allocation: its own garbage collection, or an empty_cache() that came before it
+        # (told apart as the allocation history's replay does; the replay below checks either).
+        if shrinks and self.logged[0][0] in SHRINK and empty_cache_explains(self.sim, shrinks):
+            grows = [entry for entry in self.logged if entry[0] in GROW]
+            head = [entry for entry in self.logged if entry[0] in SHRINK]
+            pending = list(self._addresses.pending)
+            self.logged[:] = head
+            self._addresses.pending.clear()
+            self._replay_calls(self.sim.empty_cache, "empty_cache()")
+            self.logged[:] = grows
+            self._addresses.pending[:] = pending
         handle = self._replay_calls(lambda: self.sim.malloc(event.size), f"an allocation of {event.size:,} bytes")
         address = self.sim.block_address(handle)
         if address != event.addr:

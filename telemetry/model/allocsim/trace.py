@@ -43,6 +43,9 @@ ACTION_CODES = {
     "oom": OOM,
 }
 ACTION_NAMES = {code: name for name, code in ACTION_CODES.items()}
+# The device calls, by what they do to reserved memory: a new segment or mapped pages, and their release.
+GROW = {code: ACTION_NAMES[code] for code in (SEGMENT_ALLOC, SEGMENT_MAP)}
+SHRINK = {code: ACTION_NAMES[code] for code in (SEGMENT_FREE, SEGMENT_UNMAP)}
 IGNORED_ACTIONS = frozenset({"user_defined"})
 Event = tuple[int, int, int]  # (action code, address, size)
 
@@ -178,4 +181,5 @@ def load_trace(path: str | os.PathLike[str], *, device: int | None = None,
                       max_objects=max_objects, max_blocks=max_blocks)
 
 
-__all__ = ["ACTION_CODES", "ACTION_NAMES", "Event", "MemoryTrace", "TraceError", "load_trace", "read_trace"]
+__all__ = ["ACTION_CODES", "ACTION_NAMES", "GROW", "SHRINK", "Event", "MemoryTrace", "TraceError", "load_trace",
+           "read_trace"]

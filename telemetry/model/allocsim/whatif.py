@@ -36,18 +36,17 @@ from .trace import (
     ALLOC,
     FREE_COMPLETED,
     FREE_REQUESTED,
+    GROW,
     OOM,
     SEGMENT_ALLOC,
     SEGMENT_FREE,
-    SEGMENT_MAP,
     SEGMENT_UNMAP,
+    SHRINK,
     SNAPSHOT,
     MemoryTrace,
 )
 
 OP_ALLOC, OP_FREE, OP_EMPTY_CACHE, OP_CHECKPOINT, OP_OOM = range(5)
-GROW = {SEGMENT_ALLOC: "segment_alloc", SEGMENT_MAP: "segment_map"}
-SHRINK = {SEGMENT_FREE: "segment_free", SEGMENT_UNMAP: "segment_unmap"}
 INCOMPLETE_MEANING = (
     "the history does not start from an empty allocator (the ring of max_entries dropped its start, or "
     "recording began after memory was allocated): blocks and segments from before it are missing from every "
@@ -106,7 +105,7 @@ class RecordedAddresses:
             self._model.release(address, size)
 
 
-def _empty_cache_explains(sim: CachingAllocatorSim, shrinks: list[tuple[int, str, int]]) -> bool:
+def empty_cache_explains(sim: CachingAllocatorSim, shrinks: list[tuple[int, str, int]]) -> bool:
     """Whether device frees before an allocation's new segment are an `empty_cache()` rather than its GC.
 
     Its garbage collection when the pass the simulator would make now frees those sizes in that order (any
@@ -162,7 +161,7 @@ def plan_trace(trace: MemoryTrace, gc_active: bool, config: str | None = None,
             if pending:
                 grows = [p for p in pending if p[0] in GROW]
                 shrinks = [p for p in pending if p[0] not in GROW]
-                collects = gc_active and grows and not (look is not None and _empty_cache_explains(look.sim, shrinks))
+                collects = gc_active and grows and not (look is not None and empty_cache_explains(look.sim, shrinks))
                 if shrinks and not collects:
                     pending[:] = [p for p in pending if p[0] not in GROW]
                     flush()
@@ -477,5 +476,5 @@ def write_plot(result: WhatIf, path: Any) -> None:
     plt.close(fig)
 
 
-__all__ = ["INCOMPLETE_MEANING", "ConfigReplay", "ReplayPlan", "WhatIf", "format_table", "plan_trace",
-           "replay_plan", "whatif", "write_plot"]
+__all__ = ["INCOMPLETE_MEANING", "ConfigReplay", "ReplayPlan", "WhatIf", "empty_cache_explains", "format_table",
+           "plan_trace", "replay_plan", "whatif", "write_plot"]

@@ -35,17 +35,25 @@ class SnapshotBytesError(ValueError):
     """Bytes that are not a native allocator snapshot; the message says what is wrong."""
 
 
+def read_header(data: object, header: struct.Struct, magic: bytes, what: str,
+                error: type[SnapshotBytesError]) -> tuple[memoryview, tuple[Any, ...]]:
+    """The bytes and their header's fields, after the checks the extension's formats share: bytes, long enough
+    for the header, the magic first. `what` names the format with its article ("a native allocator snapshot")."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise error(f"{what} is bytes, got {type(data).__name__}")
+    view = memoryview(data)
+    if len(view) < header.size:
+        raise error(f"{what} of {len(view)} bytes is shorter than its {header.size}-byte header")
+    fields = header.unpack_from(view, 0)
+    if fields[0] != magic:
+        raise error(f"not {what}: it starts with {bytes(fields[0])!r}, not {magic!r}")
+    return view, fields
+
+
 def decode_snapshot(data: bytes, *, max_objects: int = MAX_SNAPSHOT_BLOCKS) -> list[dict[str, Any]]:
     """The segments as `torch.cuda.memory_snapshot()` lists them (the keys the simulator reads)."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise SnapshotBytesError(f"a native allocator snapshot is bytes, got {type(data).__name__}")
-    view = memoryview(data)
-    if len(view) < HEADER.size:
-        raise SnapshotBytesError(f"a native allocator snapshot of {len(view)} bytes is shorter than its "
-                                 f"{HEADER.size}-byte header")
-    magic, version, zero, segments, blocks = HEADER.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise SnapshotBytesError(f"not a native allocator snapshot: it starts with {bytes(magic)!r}, not {MAGIC!r}")
+    view, (_, version, zero, segments, blocks) = read_header(data, HEADER, MAGIC, "a native allocator snapshot",
+                                                             SnapshotBytesError)
     if version != FORMAT_VERSION or zero:
         raise SnapshotBytesError(f"native allocator snapshot format {version}.{zero}: this memtel reads "
                                  f"{FORMAT_VERSION}.0 (rebuild the extension: docs/hook.md, 'Live forecast')")

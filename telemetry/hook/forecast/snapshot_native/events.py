@@ -18,27 +18,14 @@ import struct
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from telemetry.hook.forecast.snapshot_native.codec import SnapshotBytesError
-from telemetry.model.allocsim.trace import (
-    ACTION_CODES,
-    ALLOC,
-    FREE_COMPLETED,
-    FREE_REQUESTED,
-    OOM,
-    SEGMENT_ALLOC,
-    SEGMENT_FREE,
-    SEGMENT_MAP,
-    SEGMENT_UNMAP,
-    SNAPSHOT,
-)
+from telemetry.hook.forecast.snapshot_native.codec import SnapshotBytesError, read_header
+from telemetry.model.allocsim.trace import ACTION_NAMES
 
 MAGIC = b"MTAE"
 EVENTS_VERSION = 1
 HEADER = struct.Struct("<4sHHII")
 RECORD = struct.Struct("<BBhIQQQQQ")
 OVERFLOWED, NO_POOL = 1, 2
-# c10's TraceEntry::Action codes: the ones the allocation history's reader (trace.py) already names, in c10's order
-ACTIONS = tuple(sorted(ACTION_CODES, key=ACTION_CODES.__getitem__))
 MAX_EVENTS = 1 << 22   # the extension's default cap between two takes (4,194,304 records, 192 MiB of bytes)
 
 
@@ -62,15 +49,8 @@ class EventLog(NamedTuple):
 
 
 def decode_events(data: bytes, *, max_events: int = MAX_EVENTS) -> EventLog:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise EventBytesError(f"an allocator event log is bytes, got {type(data).__name__}")
-    view = memoryview(data)
-    if len(view) < HEADER.size:
-        raise EventBytesError(f"an allocator event log of {len(view)} bytes is shorter than its {HEADER.size}-byte "
-                              "header")
-    magic, version, flags, count, zero = HEADER.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise EventBytesError(f"not an allocator event log: it starts with {bytes(magic)!r}, not {MAGIC!r}")
+    view, (_, version, flags, count, zero) = read_header(data, HEADER, MAGIC, "an allocator event log",
+                                                         EventBytesError)
     if version != EVENTS_VERSION or zero:
         raise EventBytesError(f"allocator event log format {version} (padding {zero:#x}): this memtel reads "
                               f"{EVENTS_VERSION} (rebuild the extension: docs/hook.md, 'Live forecast')")
@@ -85,9 +65,9 @@ def decode_events(data: bytes, *, max_events: int = MAX_EVENTS) -> EventLog:
     events = []
     for index, (action, pad0, device, pad1, addr, size, stream, pool0, pool1) in enumerate(
             RECORD.iter_unpack(view[HEADER.size:])):
-        if action >= len(ACTIONS) or pad0 or pad1:
+        if action not in ACTION_NAMES or pad0 or pad1:   # c10's TraceEntry::Action codes (trace.py names them)
             raise EventBytesError(f"allocator event log, record {index}: unknown action {action} or padding "
-                                  f"{pad0:#x}/{pad1:#x} (known actions: {', '.join(ACTIONS)})")
+                                  f"{pad0:#x}/{pad1:#x} (known actions: {', '.join(ACTION_NAMES.values())})")
         events.append(Event(action, device, addr, size, stream, (pool0, pool1)))
     return EventLog(events, bool(flags & OVERFLOWED), bool(flags & NO_POOL))
 
@@ -105,6 +85,5 @@ def encode_events(events: Iterable[Event | tuple[int, int, int, int, int, tuple[
     return HEADER.pack(MAGIC, EVENTS_VERSION, flags, len(records), 0) + b"".join(records)
 
 
-__all__ = ["ACTIONS", "ALLOC", "EVENTS_VERSION", "FREE_COMPLETED", "FREE_REQUESTED", "OOM", "SEGMENT_ALLOC",
-           "SEGMENT_FREE", "SEGMENT_MAP", "SEGMENT_UNMAP", "SNAPSHOT", "Event", "EventBytesError", "EventLog",
-           "decode_events", "encode_events", "unchanged"]
+__all__ = ["EVENTS_VERSION", "Event", "EventBytesError", "EventLog", "decode_events", "encode_events",
+           "unchanged"]
