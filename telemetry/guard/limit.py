@@ -179,7 +179,9 @@ class LimitTracker:
     def why_blind(self) -> str:
         parts = []
         for hook in self.hooks:
-            if hook.scraped_at is None or time.monotonic() - hook.scraped_at > self.stale_s:
+            # The last scrape's failure first: its last forecast also ages out while it fails, and the failure is
+            # the cause (the forecast can age past stale_s a scrape's latency before the answer does).
+            if hook.error is not None or hook.scraped_at is None or time.monotonic() - hook.scraped_at > self.stale_s:
                 parts.append(f"{hook.target.url}: {hook.error or 'no answer yet'}")
             elif not hook.fits:
                 parts.append(f"{hook.target.url}: exports no {MAX_PREFILL}")

@@ -48,6 +48,17 @@ def test_the_limit_is_the_smallest_fresh_rank_less_the_tokens_in_prefill():
     assert tracker.limit().tokens == 700 and not tracker.blind and tracker.blind_episodes == 1
 
 
+def test_blind_names_the_failing_scrape_even_where_its_last_forecast_aged_out_first():
+    """A hook that now fails (HTTP 503) and whose last forecast is also older than stale_s: the reason is the
+    failure (its forecast ages out a scrape's latency before its answer does; seen under load)."""
+    tracker = LimitTracker([HookTarget.parse("http://127.0.0.1:9200/metrics")], stale_s=1.0)
+    hook = tracker.hooks[0]
+    tracker.record(hook, [RankFit("0", "a", 900, None, time.time() - 5)], None)  # answered now, forecast old
+    assert tracker.limit() is None and "forecast older than 1 s" in tracker.why_blind()
+    tracker.record(hook, None, "HTTP 503")
+    assert tracker.why_blind() == "http://127.0.0.1:9200/metrics: HTTP 503"
+
+
 @pytest.mark.parametrize("text", ["ftp://h:1", "http://", "not a url", "http://h:99999"])
 def test_hook_urls_that_are_not_http(text):
     with pytest.raises(ConfigError, match="--hooks"):
