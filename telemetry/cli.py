@@ -3,6 +3,10 @@
 Each subcommand lives in its own module that exposes ``configure(parser)`` (adds its
 arguments) and ``run(args) -> int`` (the exit status). Modules are imported only when
 their subcommand is chosen, so `memtel daemon` never imports torch or matplotlib.
+
+telemetry's own commands are listed here (`COMMANDS`). A package above telemetry (the harness) adds its commands
+through the `memtel.commands` entry-point group, as vLLM's plugins register (pyproject.toml): each entry names
+a `Command` (telemetry/commands.py), so this module names no module of a higher package.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ import importlib
 import sys
 from typing import Any, NoReturn
 
-# name -> (module, one-line help). Order is the order shown by `memtel --help`.
+from telemetry.commands import Command, registered_commands
+
+# telemetry's commands: name -> (module, one-line help). Order is the order shown by `memtel --help`; the
+# commands registered by other packages (`memtel.commands` entry points) follow.
 COMMANDS: dict[str, tuple[str, str]] = {
     "daemon": ("telemetry.daemon.main", "run the node exporter: host memory, swap, PSI, NVML, kernel log"),
     "flight": ("telemetry.flight.cli", "show the flight recorder's last records (this boot or the previous one)"),
@@ -21,7 +28,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ledger": ("telemetry.ledger.cli", "where the memory is: per node, then per process (weights, KV, outside...)"),
     "top": ("telemetry.ledger.top", "the ledger live in the terminal: headroom, processes, growth, kernel log"),
     "guard": ("telemetry.guard.cli", "an OpenAI-compatible proxy that refuses prompts whose prefill would not fit"),
-    "ab": ("harness.ab.cli", "run an A/B prefill ladder against two servers, or write its report"),
     "allocsim": ("telemetry.model.allocsim.cli", "replay an op file on the caching-allocator simulator"),
     "replay": ("telemetry.model.indexer.replay",
                "replay the sparse indexer's logits allocations alone (cuda or sim)"),
@@ -29,9 +35,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "forecast the next prefill's reserved growth from an allocator snapshot"),
     "whatif": ("telemetry.model.allocsim.whatif_cli",
                "replay a recorded memory history under other allocator settings"),
-    "lab": ("harness.labserver.cli", "serve the lab model: an OpenAI-compatible server with the indexer pattern"),
-    "demo": ("harness.demo.cli", "run the whole A/B pipeline on this machine and write the report"),
 }
+
+
+def all_commands() -> dict[str, Command]:
+    """Every command: telemetry's, then those other installed packages register (a name of telemetry's wins)."""
+    commands = {name: Command(module, help_text) for name, (module, help_text) in COMMANDS.items()}
+    for name, command in registered_commands().items():
+        commands.setdefault(name, command)
+    return commands
 
 
 def error_line(command: str, message: str) -> str:
@@ -54,23 +66,23 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _missing_package_line(name: str, exc: ModuleNotFoundError) -> str | None:
+def _missing_package_line(name: str, command: Command, exc: ModuleNotFoundError) -> str | None:
     """The one line for a package of an extra that is not installed (None: the error is memtel's own)."""
     missing = (exc.name or "").split(".")[0]
-    if missing in ("", "telemetry", "harness"):
+    if missing in ("", "telemetry", command.module.split(".")[0]):
         return None
-    extra = "memtel[harness]" if COMMANDS[name][0].startswith("harness.") else "memtel"
+    extra = f"memtel[{command.extra}]" if command.extra else "memtel"
     return error_line(f"memtel {name}", f"it needs the Python package {missing!r}, which is not installed here: "
                       f"install it with pip install '{extra}'")
 
 
-def _import_command(name: str, module_name: str) -> Any:
+def _import_command(name: str, command: Command) -> Any:
     """The subcommand's module; a package of an extra that is not installed is one line and exit 2 (also when
     the command imports it only once it runs: `run_command`)."""
     try:
-        return importlib.import_module(module_name)
+        return importlib.import_module(command.module)
     except ModuleNotFoundError as exc:
-        line = _missing_package_line(name, exc)
+        line = _missing_package_line(name, command, exc)
         if line is None:
             raise
         print(line, file=sys.stderr)
@@ -83,10 +95,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="memtel", description="GPU memory growth telemetry and A/B testing.")
     parser.add_argument("--version", action="version", version=f"memtel {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in COMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+    for name, command in all_commands().items():
+        sub_parser = sub.add_parser(name, help=command.help, description=command.help)
         if only is None or name == only:
-            module = _import_command(name, module_name)
+            module = _import_command(name, command)
             module.configure(sub_parser)
             sub_parser.set_defaults(_run=module.run)
     return parser
@@ -95,7 +107,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    if chosen not in COMMANDS:
+    if chosen not in all_commands():
         chosen = None
     # Import only the chosen subcommand's module; `memtel --help` lists names without importing any.
     parser = build_parser(only=chosen or "")
@@ -122,7 +134,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(error_line(f"memtel {args.command}", str(exc)), file=sys.stderr)
         return exc.exit_code
     except ModuleNotFoundError as exc:  # a package of an extra, imported where the command first needs it
-        line = _missing_package_line(args.command, exc)
+        line = _missing_package_line(args.command, all_commands()[args.command], exc)
         if line is None:
             raise
         print(line, file=sys.stderr)

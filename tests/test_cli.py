@@ -1,14 +1,38 @@
 import subprocess
 import sys
+from pathlib import Path
 
-from telemetry.cli import COMMANDS, main
+from telemetry.cli import all_commands, main
+from telemetry.commands import Command, registered_commands
 
 
 def test_help_lists_every_subcommand(capsys):
     assert main([]) == 2
     out = capsys.readouterr().out
-    for name in COMMANDS:
+    for name in all_commands():
         assert name in out
+    assert {"ab", "lab", "demo"} <= set(all_commands())  # the harness's, through its entry points
+
+
+def test_telemetry_names_no_harness_module():
+    # The harness registers its commands (pyproject.toml, memtel.commands): the command line does not load them by
+    # a string of their module's name, which would hide the dependency from the layer contract.
+    text = Path("telemetry/cli.py").read_text()
+    assert "harness." not in text
+
+
+def test_a_broken_registered_command_is_left_out(tmp_path, monkeypatch, caplog):
+    # A third party's entry point that fails to load, or names something that is not a Command, costs only itself.
+    dist = tmp_path / "broken_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[memtel.commands]\nboom = not_a_module_anywhere:X\n"
+                                           "notcmd = telemetry.commands:GROUP\nfine = harness.commands:AB\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    commands = registered_commands()
+    assert "boom" not in commands and "notcmd" not in commands
+    assert isinstance(commands["fine"], Command)
+    assert "could not be loaded" in caplog.text and "is not a telemetry.commands.Command" in caplog.text
 
 
 def test_version_from_console_entry():

@@ -18,11 +18,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.dashboards.collapse import STEADY_QUERY, STEADY_SAMPLES_NEEDED, CollapseSource, CollapseWatch
-from tests.dashboards.live import TwoNodeStack, wait_until
+if TYPE_CHECKING:  # the stack's modules import httpx: imported when the stack starts, so that collecting this
+    # package (`pytest -m gpu` on a machine without the harness extra) needs nothing beyond the core
+    from tests.dashboards.collapse import CollapseSource, CollapseWatch
+    from tests.dashboards.live import TwoNodeStack
 
 SETTLE_S = 8  # rule evaluations (1 s each) after every target is up, all of them looked at for the at-rest check
 
@@ -68,6 +71,9 @@ def _all_up(live: TwoNodeStack, expected: int) -> bool:
 
 @pytest.fixture(scope="package")
 def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
+    from tests.dashboards.collapse import STEADY_QUERY, STEADY_SAMPLES_NEEDED, CollapseSource, CollapseWatch
+    from tests.dashboards.live import TwoNodeStack, wait_until
+
     source = CollapseSource()
     nodes = TwoNodeStack(tmp_path_factory.mktemp("live-stack"))
     live = LiveStack(nodes, source)
