@@ -38,7 +38,8 @@ ANSWER = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, 
                      "choices": [{"index": 0, "text": " alpha beta gamma delta", "finish_reason": "length"}],
                      "usage": {"prompt_tokens": 100, "completion_tokens": 4, "total_tokens": 104}}).encode()
 HOOK_TEXT = ('memtel_forecast_max_prefill_tokens{rank="0",node="bench"} 1000000\n'
-             'memtel_forecast_fit_budget_bytes{rank="0",node="bench"} 8e9\n')
+             'memtel_forecast_fit_budget_bytes{rank="0",node="bench"} 8e9\n'
+             'memtel_forecast_last_success_timestamp_seconds{rank="0",node="bench"} %r\n')
 
 
 class _Server(ThreadingHTTPServer):
@@ -55,7 +56,7 @@ def start_upstream(chunks: int, gap_s: float) -> _Server:
             pass
 
         def do_GET(self) -> None:  # the hook's /metrics
-            data = HOOK_TEXT.encode()
+            data = (HOOK_TEXT % time.time()).encode()  # a fresh forecast: the guard decides, it is not blind
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", str(len(data)))
@@ -93,7 +94,8 @@ def start_guard(upstream_port: int, hook_port: int) -> tuple[subprocess.Popen, i
     root = Path(__file__).resolve().parents[1]
     process = subprocess.Popen(
         [sys.executable, "-m", "telemetry", "guard", "--upstream", f"http://127.0.0.1:{upstream_port}",
-         "--listen", f"127.0.0.1:{port}", "--hooks", f"http://127.0.0.1:{hook_port}", "--log-level", "WARNING"],
+         "--listen", f"127.0.0.1:{port}", "--hooks", f"http://127.0.0.1:{hook_port}", "--log-level", "WARNING",
+         "--when-blind", "reject"],  # a 200 below means the limit is known: the requests are decided
         cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -13,14 +13,11 @@ import math
 from collections.abc import Callable
 from typing import TypeVar
 
+from telemetry.errors import shown
+
 T = TypeVar("T", int, float)
 
 MAX_SHOWN_CHARS = 40  # a 5,000-digit argument is cut in the message
-
-
-def shown(text: str) -> str:
-    """`text` for an error message: quoted, and cut when it is long."""
-    return repr(text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "...")
 
 
 class _NotFinite(ValueError):
@@ -56,9 +53,10 @@ def checked(convert: Callable[[str], T], accept: Callable[[T], bool], expected: 
         try:
             value = convert(text)
         except _NotFinite:
-            raise argparse.ArgumentTypeError(f"expected {expected} (a finite number), got {shown(text)}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {expected} (a finite number), got {shown(text, MAX_SHOWN_CHARS)}") from None
         except (ValueError, OverflowError):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {shown(text)}") from None
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {shown(text, MAX_SHOWN_CHARS)}") from None
         if not accept(value):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {shown_value(value)}")
         if maximum is not None and value > maximum:

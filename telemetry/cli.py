@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "replay the sparse indexer's logits allocations alone (cuda or sim)"),
     "forecast": ("telemetry.model.indexer.forecast",
                  "forecast the next prefill's reserved growth from an allocator snapshot"),
+    "tune": ("telemetry.tune.cli", "search allocator, budget and chunk settings for the longest prefill that fits"),
     "whatif": ("telemetry.model.allocsim.whatif_cli",
                "replay a recorded memory history under other allocator settings"),
 }
@@ -50,9 +51,13 @@ def error_line(command: str, message: str) -> str:
     """The one form of every command's error line: `memtel CMD: error: what was wrong (what is expected)`.
 
     Commands raise ConfigError / RunError (telemetry/errors.py) and never print their own; warnings and notes
-    keep the same prefix with `warning:` / `note:`.
+    keep the same prefix with `warning:` / `note:`. Whatever the message quotes, each of its lines reaches the
+    terminal cut to MAX_ERROR_CHARS with its control characters escaped (telemetry.errors.printable).
     """
-    return f"{command}: error: {message}"
+    from telemetry.errors import MAX_ERROR_CHARS, printable
+
+    safe = "\n".join(printable(line, MAX_ERROR_CHARS) for line in message.split("\n"))
+    return f"{command}: error: {safe}"
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

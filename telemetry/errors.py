@@ -16,6 +16,40 @@ and logs its own failures (docs/hook.md).
 
 from __future__ import annotations
 
+MAX_SHOWN_CHARS = 80     # a value quoted in an error message (a 1 MB label, a 5,000-digit integer) is cut here
+MAX_ERROR_CHARS = 1000   # a whole error line, whatever it quotes
+
+
+def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
+    """`value` quoted for an error message, whatever it is: its repr (control characters escaped), cut after
+    `limit` characters; an integer of more than 64 bits by its size (its digits would be the message); a value
+    whose repr fails (a list holding a 5,000-digit integer, a deep nesting) by its type."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length():,} bits"
+    if isinstance(value, str):
+        return repr(value if len(value) <= limit else value[:limit] + "...")
+    if isinstance(value, bytes):
+        return repr(value[:limit]) + ("..." if len(value) > limit else "")
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError, MemoryError):
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def printable(text: str, limit: int | None = None) -> str:
+    """`text` safe for a terminal: every control or format character (C0 with ESC and newlines, DEL, C1, bidi
+    overrides, line separators) written as its escape (`\\x1b`), cut after `limit` characters when given. For text
+    from outside (a scraped label, an endpoint's error) on its way to a terminal."""
+    cut = limit is not None and len(text) > limit
+    if limit is not None:
+        text = text[:limit]
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+        if limit is not None and len(text) > limit:   # the escapes made it longer
+            text, cut = text[:limit], True
+    return text + "..." if cut else text
+
 
 class MemtelError(Exception):
     """Base of every error memtel reports to a user as one line."""
@@ -35,4 +69,4 @@ class RunError(MemtelError, RuntimeError):
     exit_code = 1
 
 
-__all__ = ["ConfigError", "MemtelError", "RunError"]
+__all__ = ["MAX_ERROR_CHARS", "MAX_SHOWN_CHARS", "ConfigError", "MemtelError", "RunError", "printable", "shown"]

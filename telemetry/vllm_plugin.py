@@ -45,11 +45,14 @@ log = logging.getLogger("memtel.vllm_plugin")
 def config_from_env(environ: Mapping[str, str]) -> HookConfig | None:
     """The hook's configuration for vLLM, None when telemetry is off; ConfigError names the bad variable."""
     from telemetry.hook.config import HookConfig
+    from telemetry.hook.engine import START_BEGIN_SIGNALS
     from telemetry.hook.presets import ENGINE_MEMORY, MODEL_LOADED
 
     # The model-loaded signal, not a timer: a timer would also fire in the API server, which never
-    # imports the model's modules.
-    return HookConfig.from_env(environ, model_loaded=MODEL_LOADED["vllm"], engine_memory=ENGINE_MEMORY["vllm"],
+    # imports the model's modules. The start's beginning (the worker's memory budget known) is an engine
+    # signal too: the exporter says from then on what the start will still take (docs/alerts.md, "Falling").
+    return HookConfig.from_env(environ, model_loaded=MODEL_LOADED["vllm"],
+                               engine_memory=ENGINE_MEMORY["vllm"] + START_BEGIN_SIGNALS["vllm"],
                                unresolved_after_s=None)
 
 

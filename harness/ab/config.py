@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from harness.ab.gates import Gate, parse_gates
 from harness.ab.rundir import name_problem, relative_path_problem
+from harness.ab.tuned import TunedArm, apply_tuned, read_tuned
 from telemetry import limits
 from telemetry.errors import ConfigError
 from telemetry.validate import (
@@ -92,6 +93,7 @@ class Arm:
     ranks: dict | None = None  # overrides the ladder's ranks for this arm (two servers up at once)
     hook_log_dir: str | None = None  # the hook's JSONL logs of a server the harness does not start
     on_error: str | None = None  # overrides the ladder's on_error for this arm
+    tune: TunedArm | None = None  # a `memtel tune --json` setting added to `serve` (harness/ab/tuned.py)
 
 
 @dataclass(frozen=True)
@@ -178,12 +180,31 @@ def _resolve_paths(ladder: Ladder, base: Path) -> Ladder:
         except (OSError, ValueError, PromptError) as exc:
             raise LadderError(f"{ladder.source}: request.words_file: {exc}") from None
     arms = []
-    for arm in ladder.arms:
+    for index, arm in enumerate(ladder.arms):
         if arm.serve is not None and arm.serve.cwd and not Path(arm.serve.cwd).is_absolute():
             cwd = str((base / arm.serve.cwd).resolve())
             arm = dataclasses.replace(arm, serve=dataclasses.replace(arm.serve, cwd=cwd))
+        if arm.tune is not None and arm.serve is not None:
+            arm = _apply_tune(ladder.source, index, arm, base)
         arms.append(arm)
     return dataclasses.replace(ladder, arms=tuple(arms))
+
+
+def _apply_tune(source: str, index: int, arm: Arm, base: Path) -> Arm:
+    """The arm with its tuned setting read from its file and added to `serve` (harness/ab/tuned.py)."""
+    assert arm.tune is not None and arm.serve is not None
+    path = f"{source}: arms[{index}].tune"
+    if arm.tune.applied or arm.tune.flags or arm.tune.label:
+        raise LadderError(f"{path}: label, env and flags are recorded by memtel, not written by hand; give file and "
+                          "rank")
+    file = Path(arm.tune.file) if Path(arm.tune.file).is_absolute() else (base / arm.tune.file).resolve()
+    try:
+        label, env, flags = read_tuned(file, arm.tune.rank)
+        tuned = TunedArm(str(file), arm.tune.rank, label, env, flags)
+        serve = apply_tuned(arm.serve, tuned)
+    except ConfigError as exc:
+        raise LadderError(f"{path}: {exc}") from None
+    return dataclasses.replace(arm, serve=serve, tune=tuned)
 
 
 def _plain(value: Any) -> Any:
@@ -293,7 +314,7 @@ class _Parser(Validator):
         return name
 
     def arm(self, data: Any, path: str) -> Arm:
-        data = self.mapping(data, path, ("name",), ("url", "serve", "ranks", "hook_log_dir", "on_error"))
+        data = self.mapping(data, path, ("name",), ("url", "serve", "ranks", "hook_log_dir", "on_error", "tune"))
         name = self.name(data["name"], join(path, "name"))
         serve = self.serve(data["serve"], join(path, "serve")) if data.get("serve") is not None else None
         if data.get("url") is not None:
@@ -307,7 +328,25 @@ class _Parser(Validator):
         hook_log_dir = (self.text(data["hook_log_dir"], join(path, "hook_log_dir")) if data.get("hook_log_dir")
                         else None)
         on_error = self.choice(data["on_error"], join(path, "on_error"), ON_ERROR) if data.get("on_error") else None
-        return Arm(name=name, url=url, serve=serve, ranks=ranks, hook_log_dir=hook_log_dir, on_error=on_error)
+        tune = self.tune(data["tune"], join(path, "tune"), serve) if data.get("tune") is not None else None
+        return Arm(name=name, url=url, serve=serve, ranks=ranks, hook_log_dir=hook_log_dir, on_error=on_error,
+                   tune=tune)
+
+    def tune(self, data: Any, path: str, serve: ServeSpec | None) -> TunedArm:
+        """`tune: {file, rank}`; a recorded ladder also has what was applied (`label`, `env`, `flags`)."""
+        data = self.mapping(data, path, ("file",), ("rank", "label", "env", "flags"))
+        if serve is None:
+            raise self.fail(path, "a tuned arm needs `serve`: the command its settings are added to")
+        env = data.get("env") or {}
+        flags = data.get("flags") or []
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise self.fail(join(path, "env"), f"expected a mapping of NAME: string, got {kind(env)}")
+        if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+            raise self.fail(join(path, "flags"), f"expected a list of strings, got {kind(flags)}")
+        return TunedArm(file=self.text(data["file"], join(path, "file")),
+                        rank=self.integer(data.get("rank", 1), join(path, "rank"), 1, 100),
+                        label=self.text(data.get("label") or "-", join(path, "label")) if data.get("label") else "",
+                        env=dict(env), flags=tuple(flags))
 
     def steps(self, data: Any, path: str) -> tuple[Step, ...]:
         if data is None:

@@ -37,6 +37,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM 0.32's buckets for vllm:iteration_tokens_total (v1/metrics/buckets.py).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FILLER_WORDS = ("lab", "model", "output", "token")
 MAX_BODY_BYTES = 64 << 20  # a 200k-word prompt is ~1.5 MB; refuse absurd bodies early
 
@@ -110,6 +112,11 @@ class LabMetrics:
                              labels, registry=self.registry).labels(**values)
         self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                              labels, registry=self.registry).labels(**values)
+        # vLLM's engine steps and their tokens: here one step for a prefill (counted when it ends, as its tokens
+        # are) and one per output token. MemtelEngineStalled reads its count as progress.
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", labels,
+                                          buckets=ITERATION_TOKENS_BUCKETS, registry=self.registry).labels(**values)
         self.launches = Counter("memtel_lab_indexer_launches", "Indexer logits launches made, per rank summed.",
                                 labels, registry=self.registry).labels(**values)
 
@@ -243,6 +250,7 @@ class LabService:
         self.metrics.ttft.observe(ttft)
         self.metrics.prefill_time.observe(outcome.seconds)
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+        self.metrics.iteration_tokens.observe(len(request.prompt_ids))
         self.metrics.prompt_tokens_cached.inc(outcome.cached_tokens)
         self.metrics.prefix_cache_queries.inc(len(request.prompt_ids))
         self.metrics.prefix_cache_hits.inc(outcome.cached_tokens)
@@ -252,6 +260,7 @@ class LabService:
             if index:
                 time.sleep(decode_s)
             self.metrics.generation_tokens.inc()
+            self.metrics.iteration_tokens.observe(1)
             yield "token", {"index": index, "text": (" " if index else "") + FILLER_WORDS[index % len(FILLER_WORDS)]}
         self.metrics.e2e.observe(time.perf_counter() - arrival)
         self.metrics.success_length.inc()

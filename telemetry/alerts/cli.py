@@ -1,7 +1,8 @@
 """`memtel alerts score CORPUS [--rules FILE ...] [--json]` and `memtel alerts burn-in --minutes N`.
 
 score: every timeline of CORPUS (a .jsonl file, or a directory of them) is evaluated by promtool with the
-rules (default: the shipped dashboards/prometheus/memtel-*.yml); it prints per alert the lead time before
+rules (default: the shipped memtel-recording.yml and memtel-alerts.yml, package data of
+telemetry.alerts, which dashboards/prometheus/ links to); it prints per alert the lead time before
 each failure it caught, the failures it missed and the benign timelines it fired on. Exit 0 when no
 critical alert fired on a benign timeline and every expected catch happened in time, 1 otherwise, 2 for bad
 input (a bad corpus file is one line naming the file and line).
@@ -10,21 +11,37 @@ input (a bad corpus file is one line naming the file and line).
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import sys
+from importlib import resources
 from pathlib import Path
 
 from telemetry.errors import ConfigError
 
-SHIPPED_RULES = Path(__file__).resolve().parents[2] / "dashboards" / "prometheus"
+RULE_FILES = ("memtel-recording.yml", "memtel-alerts.yml")
 
 
 def default_rules() -> list[Path]:
-    files = [SHIPPED_RULES / "memtel-recording.yml", SHIPPED_RULES / "memtel-alerts.yml"]
-    if not all(f.is_file() for f in files):
-        raise ConfigError("the shipped rules (dashboards/prometheus/memtel-*.yml) are not beside this install; "
-                          "name the rule files with --rules FILE ...")
+    """The rules shipped in the package (telemetry/alerts/rules/; dashboards/prometheus/memtel-*.yml link there,
+    so Prometheus loads the same files), as paths promtool can read."""
+    rules = resources.files("telemetry.alerts") / "rules"
+    files = []
+    for name in RULE_FILES:
+        resource = rules / name
+        if not resource.is_file():
+            raise ConfigError(f"the shipped rule file {name} is missing from this install of memtel; "
+                              "name the rule files with --rules FILE ...")
+        if isinstance(resource, Path):
+            files.append(resource)
+        else:  # a zipped install: promtool needs a file, so extract it for this process's lifetime
+            files.append(_EXTRACTED.enter_context(resources.as_file(resource)))
     return files
+
+
+_EXTRACTED = contextlib.ExitStack()
+atexit.register(_EXTRACTED.close)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

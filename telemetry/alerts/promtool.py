@@ -1,7 +1,8 @@
 """Evaluate alert rules over a timeline with Prometheus's own rule engine: `promtool test rules`.
 
-The timeline becomes a promtool unit test: its records are the test's `input_series` on a 1 s grid (every
-rule group is evaluated every second, as the memtel-headroom group is in production), and a few PromQL
+Each timeline becomes a promtool unit test group (a batch of them is one test file, one promtool process): its
+records are the test's `input_series` on a 1 s grid (every rule group is evaluated every second, as the
+memtel-headroom group is in production), and a few PromQL
 queries over the `ALERTS` series that the rule manager writes ask, per alert, when it first and last fired,
 how many seconds it fired, how often it started firing, and when it first fired before the failure. The
 test's expected samples are a sentinel no query returns, so promtool prints what each query got; that
@@ -15,6 +16,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +29,9 @@ SENTINEL = "memtel_score_sentinel"
 QUERY_LABEL = "memtel_score_query"
 DAEMON_JOB = "memtel-daemon"
 HOOK_JOB = "memtel-hook"
-_HOOK_PREFIXES = ("memtel_allocator_", "memtel_hook_", "memtel_forecast_")
-_GOT = re.compile(r'\{alertname="([A-Za-z_][A-Za-z0-9_]*)", ' + QUERY_LABEL + r'="(q\w+)"\} ([^,\s]+)')
+VLLM_JOB = "memtel-vllm"  # vLLM's own /metrics (configs/prometheus/prometheus.yml)
+_HOOK_PREFIXES = ("memtel_allocator_", "memtel_hook_", "memtel_forecast_", "memtel_engine_")
+_GOT = re.compile(r'\{alertname="([A-Za-z_][A-Za-z0-9_]*)", ' + QUERY_LABEL + r'="(q_[a-z]+)_(\d+)"\} ([^,\s]+)')
 PROMTOOL_TIMEOUT_S = 300
 
 
@@ -95,7 +98,9 @@ def _value_text(value: float) -> str:
 
 def input_series(timeline: Timeline, wanted: set[str]) -> tuple[list[dict[str, str]], int]:
     """promtool input_series on a 1 s grid from the first record, and the last step; each series ends with a
-    stale marker (after its last sample it is gone, as a target that stopped answering is)."""
+    stale marker (after its last sample it is gone, as a target that stopped answering is), and a series that a
+    record leaves out after having had a value is stale there (as a scrape that no longer carries it marks it:
+    an engine whose start ended exports no memtel_engine_start_remaining_bytes)."""
     start = timeline.start
     steps: dict[int, dict[str, float]] = {}
     for record in timeline.records:
@@ -103,10 +108,12 @@ def input_series(timeline: Timeline, wanted: set[str]) -> tuple[list[dict[str, s
     last = max(steps)
     node = timeline.outcome.node
     series: dict[str, list[str]] = {}
+    previous: set[str] = set()
     for step in range(last + 1):
         values = steps.get(step)
         if values is None:
             continue
+        present: set[str] = set()
         up = f'up{{{_labels_text({"job": DAEMON_JOB, "instance": f"{node}:9101", "node": node})}}}'
         series.setdefault(up, ["_"] * (last + 1))[step] = "1"
         for key, value in values.items():
@@ -114,11 +121,16 @@ def input_series(timeline: Timeline, wanted: set[str]) -> tuple[list[dict[str, s
             if parsed is None or parsed[0] not in wanted:
                 continue
             name, labels = parsed
-            job = HOOK_JOB if name.startswith(_HOOK_PREFIXES) else DAEMON_JOB
+            job = HOOK_JOB if name.startswith(_HOOK_PREFIXES) else VLLM_JOB if name.startswith("vllm:") else DAEMON_JOB
             labels = {**labels, "job": job, "instance": labels.get("instance", f"{node}:9101"), "node": node}
             if name.endswith("_timestamp_seconds"):
                 value -= start  # a Unix time on the records' clock; the test's clock starts at 0
-            series.setdefault(f"{name}{{{_labels_text(labels)}}}", ["_"] * (last + 1))[step] = _value_text(value)
+            key = f"{name}{{{_labels_text(labels)}}}"
+            series.setdefault(key, ["_"] * (last + 1))[step] = _value_text(value)
+            present.add(key)
+        for gone in previous - present:
+            series[gone][step] = "stale"
+        previous = present
     out = [{"series": name, "values": " ".join([*tokens, "stale"])} for name, tokens in sorted(series.items())]
     return out, last
 
@@ -128,75 +140,126 @@ def _query(number: str, expr: str, at: int) -> dict[str, object]:
             "exp_samples": [{"labels": SENTINEL, "value": 0}]}
 
 
-def unit_test(timeline: Timeline, rule_files: list[Path], wanted: set[str]) -> tuple[dict[str, object], int]:
+def test_group(timeline: Timeline, wanted: set[str], index: int = 0) -> dict[str, object]:
+    """One promtool test group: the timeline's input series and the queries over ALERTS, each query labelled
+    with its name and `index` (the timeline's place in a batch)."""
     series, last = input_series(timeline, wanted)
     firing = 'ALERTS{alertstate="firing"}'
     window = f"{last + 1}s"
     queries = [
-        _query("q_first", f"min by (alertname) (min_over_time(timestamp({firing})[{window}:1s]))", last),
-        _query("q_last", f"max by (alertname) (max_over_time(timestamp({firing})[{window}:1s]))", last),
-        _query("q_seconds", f"sum by (alertname) (count_over_time({firing}[{window}]))", last),
-        _query("q_onsets", f"sum by (alertname) (sum_over_time(({firing} unless {firing} offset 1s)[{window}:1s]))",
-               last),
+        _query(f"q_first_{index}", f"min by (alertname) (min_over_time(timestamp({firing})[{window}:1s]))", last),
+        _query(f"q_last_{index}", f"max by (alertname) (max_over_time(timestamp({firing})[{window}:1s]))", last),
+        _query(f"q_seconds_{index}", f"sum by (alertname) (count_over_time({firing}[{window}]))", last),
+        _query(f"q_onsets_{index}",
+               f"sum by (alertname) (sum_over_time(({firing} unless {firing} offset 1s)[{window}:1s]))", last),
     ]
     failure_at = timeline.outcome.failure_at
     if failure_at is not None:
         at = min(last, max(0, math.floor(failure_at - timeline.start)))
-        queries.append(_query("q_before", f"min by (alertname) (min_over_time(timestamp({firing})[{at + 1}s:1s]))",
-                              at))
-    test: dict[str, object] = {
-        "rule_files": [str(p.resolve()) for p in rule_files],
-        "evaluation_interval": "1s",
-        "tests": [{"name": timeline.name, "interval": "1s",
-                   "external_labels": {"runbook_base": "runbook.md"},
-                   "input_series": series, "promql_expr_test": queries}],
-    }
-    return test, last
+        queries.append(_query(f"q_before_{index}",
+                              f"min by (alertname) (min_over_time(timestamp({firing})[{at + 1}s:1s]))", at))
+    return {"name": timeline.name, "interval": "1s", "external_labels": {"runbook_base": "runbook.md"},
+            "input_series": series, "promql_expr_test": queries}
+
+
+def unit_test(timelines: list[Timeline], rule_files: list[Path], wanted: set[str]) -> dict[str, object]:
+    """A promtool test file with one group per timeline (the queries of timeline i are labelled with i)."""
+    return {"rule_files": [str(p.resolve()) for p in rule_files], "evaluation_interval": "1s",
+            "tests": [test_group(timeline, wanted, i) for i, timeline in enumerate(timelines)]}
+
+
+def _names(expr: object) -> set[str]:
+    return set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", str(expr)))
 
 
 def without_annotations(rule_files: list[Path], directory: Path) -> list[Path]:
-    """Copies of the rule files without annotations: they cannot change when an alert fires, and expanding
-    their templates (some run a query) on every firing evaluation is most of promtool's time."""
+    """Copies of the rule files as the score evaluates them: without annotations (they cannot change when an
+    alert fires, and expanding their templates, some of which run a query, on every firing evaluation was most
+    of promtool's time) and without the recording rules no alert reads, directly or through another recording
+    rule (the dashboards' levels: promtool's time is about one evaluation per rule and second)."""
+    loaded = [yaml.safe_load(path.read_text()) or {} for path in rule_files]
+    rules = [rule for data in loaded for group in data.get("groups", []) for rule in group.get("rules", [])]
+    needed: set[str] = set()
+    for rule in rules:
+        if "alert" in rule:
+            needed |= _names(rule.get("expr", ""))
+    records = {str(rule["record"]): _names(rule.get("expr", "")) for rule in rules if "record" in rule}
+    while True:
+        more = set().union(*(records[name] for name in needed & set(records))) - needed
+        if not more:
+            break
+        needed |= more
     copies = []
-    for i, path in enumerate(rule_files):
-        data = yaml.safe_load(path.read_text()) or {}
+    for i, (path, data) in enumerate(zip(rule_files, loaded, strict=True)):
         for group in data.get("groups", []):
-            for rule in group.get("rules", []):
+            group["rules"] = [rule for rule in group.get("rules", [])
+                              if "record" not in rule or rule["record"] in needed]
+            for rule in group["rules"]:
                 rule.pop("annotations", None)
+        data["groups"] = [group for group in data.get("groups", []) if group["rules"]]
         copy = directory / f"{i}-{path.name}"
         copy.write_text(yaml.safe_dump(data, sort_keys=False))
         copies.append(copy)
     return copies
 
 
+def batches(timelines: list[Timeline], count: int) -> list[list[int]]:
+    """The timelines' indexes in `count` batches of about equal records (longest first, to the lightest)."""
+    loads: list[tuple[int, list[int]]] = [(0, []) for _ in range(max(1, min(count, len(timelines))))]
+    for i in sorted(range(len(timelines)), key=lambda i: -len(timelines[i].records)):
+        load, members = min(loads, key=lambda item: item[0])
+        loads.remove((load, members))
+        loads.append((load + len(timelines[i].records), [*members, i]))
+    return [sorted(members) for _, members in loads if members]
+
+
+def evaluate_all(timelines: list[Timeline], rule_files: list[Path], wanted: set[str] | None = None,
+                 workers: int = 1) -> list[Evaluation]:
+    """Run promtool over the timelines, `workers` processes at once, each with one test file holding a batch of
+    timelines (one promtool start and one parse of the rules per batch); what each alert did on each."""
+    wanted = rule_metric_names(rule_files) if wanted is None else wanted
+    evaluations = [Evaluation(timeline) for timeline in timelines]
+    with tempfile.TemporaryDirectory(prefix="memtel-score-") as directory:
+        copies = without_annotations(rule_files, Path(directory))
+
+        def run(batch_number: int, members: list[int]) -> None:
+            batch = [timelines[i] for i in members]
+            path = Path(directory) / f"timelines_{batch_number}_test.yml"
+            path.write_text(yaml.safe_dump(unit_test(batch, copies, wanted), sort_keys=False, width=1 << 30))
+            names = ", ".join(t.name for t in batch)
+            try:
+                result = subprocess.run([promtool_path(), "test", "rules", str(path)], capture_output=True,
+                                        text=True, timeout=PROMTOOL_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise RunError(f"{names}: promtool took more than {PROMTOOL_TIMEOUT_S} s") from None
+            output = result.stdout + result.stderr
+            if output.count("got:") < len(batch):
+                detail = " ".join(output.split())[-300:]
+                raise RunError(f"{names}: promtool did not evaluate the timeline(s): {detail}")
+            for alert, query, number, value in _GOT.findall(output):
+                _record(evaluations[members[int(number)]], alert, query, float(value))
+
+        jobs = batches(timelines, workers)
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            for future in [pool.submit(run, n, members) for n, members in enumerate(jobs)]:
+                future.result()
+    return evaluations
+
+
+def _record(evaluation: Evaluation, alert: str, query: str, number: float) -> None:
+    record = evaluation.alerts.setdefault(alert, AlertRecord())
+    if query == "q_first":
+        record.first_fired_s = number
+    elif query == "q_last":
+        record.last_fired_s = number
+    elif query == "q_seconds":
+        record.firing_seconds = number
+    elif query == "q_onsets":
+        record.onsets = int(number)
+    elif query == "q_before":
+        record.first_fired_before_failure_s = number
+
+
 def evaluate(timeline: Timeline, rule_files: list[Path], wanted: set[str] | None = None) -> Evaluation:
     """Run promtool over one timeline; what each alert did."""
-    wanted = rule_metric_names(rule_files) if wanted is None else wanted
-    with tempfile.TemporaryDirectory(prefix="memtel-score-") as directory:
-        test, _ = unit_test(timeline, without_annotations(rule_files, Path(directory)), wanted)
-        path = Path(directory) / "timeline_test.yml"
-        path.write_text(yaml.safe_dump(test, sort_keys=False, width=1 << 30))
-        try:
-            result = subprocess.run([promtool_path(), "test", "rules", str(path)], capture_output=True, text=True,
-                                    timeout=PROMTOOL_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise RunError(f"{timeline.name}: promtool took more than {PROMTOOL_TIMEOUT_S} s") from None
-    output = result.stdout + result.stderr
-    if "got:" not in output:
-        detail = " ".join(output.split())[-300:]
-        raise RunError(f"{timeline.name}: promtool did not evaluate the timeline: {detail}")
-    evaluation = Evaluation(timeline)
-    for alert, query, value in _GOT.findall(output):
-        record = evaluation.alerts.setdefault(alert, AlertRecord())
-        number = float(value)
-        if query == "q_first":
-            record.first_fired_s = number
-        elif query == "q_last":
-            record.last_fired_s = number
-        elif query == "q_seconds":
-            record.firing_seconds = number
-        elif query == "q_onsets":
-            record.onsets = int(number)
-        elif query == "q_before":
-            record.first_fired_before_failure_s = number
-    return evaluation
+    return evaluate_all([timeline], rule_files, wanted)[0]

@@ -8,15 +8,14 @@ expects (`expect`) and that did not fire before the failure, or not within its `
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from telemetry.alerts.promtool import AlertRecord, Evaluation, evaluate, rule_metric_names
-from telemetry.alerts.timeline import Timeline
+from telemetry.alerts.promtool import AlertRecord, Evaluation, evaluate_all, rule_metric_names
+from telemetry.alerts.timeline import Timeline, refuse_rule_outputs, rule_outputs
 
 PAGE = "critical"
 
@@ -80,12 +79,14 @@ def alert_severities(rule_files: list[Path]) -> dict[str, str]:
 
 
 def score(timelines: list[Timeline], rule_files: list[Path]) -> Score:
+    outputs = rule_outputs(rule_files)   # a timeline holds inputs, never verdicts: ConfigError before promtool
+    for timeline in timelines:
+        refuse_rule_outputs(timeline, outputs)
     severities = alert_severities(rule_files)
     wanted = rule_metric_names(rule_files)
     alerts = {name: AlertScore(name, severity) for name, severity in severities.items()}
-    # One promtool process per timeline, as many at once as there are CPUs.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(timelines), os.cpu_count() or 1))) as pool:
-        evaluations = list(pool.map(lambda timeline: evaluate(timeline, rule_files, wanted), timelines))
+    # One promtool process per CPU, each evaluating a batch of the timelines.
+    evaluations = evaluate_all(timelines, rule_files, wanted, workers=os.cpu_count() or 1)
     expectations = []
     for evaluation in evaluations:
         timeline = evaluation.timeline
@@ -142,14 +143,22 @@ def as_text(result: Score) -> str:
     lines.append(f"timelines: {len(failures)} failure ({', '.join(failures) or '-'}), "
                  f"{len(benign)} benign ({', '.join(benign) or '-'})")
     lines.append("")
-    lines.append("alert | severity | lead time before each failure caught | failures missed | benign timelines fired")
-    for name, s in sorted(result.alerts.items()):
-        if not (s.caught or s.benign_fired) and not failures:
-            continue
+    claimed = {r.alert for r in result.expectations}
+    shown = {name: s for name, s in sorted(result.alerts.items()) if s.caught or s.benign_fired or name in claimed}
+    seconds = sum(e.timeline.end - e.timeline.start for e in result.evaluations)
+    if shown:
+        lines.append("alert | severity | lead time before each failure caught | failures missed | "
+                     "benign timelines fired")
+    else:
+        lines.append(f"watched {len(result.alerts)} alerts over {seconds:.0f} s of timeline: none fired")
+    for name, s in shown.items():
         caught = ", ".join(f"{t} {lead:.0f} s" for t, lead in s.caught) or "-"
         missed = f"{len(s.missed)}/{len(failures)}"
         fired = ", ".join(f"{t} ({n}x, {sec:.0f} s)" for t, sec, n in s.benign_fired) or "-"
         lines.append(f"{name} | {s.severity} | {caught} | {missed} | {fired}")
+    quiet = len(result.alerts) - len(shown)
+    if shown and quiet:
+        lines.append(f"({quiet} other alerts neither fired nor are expected to catch a failure here)")
     if result.expectations:
         lines.append("")
         lines.append("expected catches:")

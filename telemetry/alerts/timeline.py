@@ -16,6 +16,11 @@ A timeline file is JSON Lines (gzip-compressed when its name ends in .gz). Every
 `within_s` seconds of `onset_at` (or of the first record) when given. So an incident recorded by the flight
 recorder becomes a timeline by adding that one line to its export. Every problem is a `ConfigError` that
 names the file and the line.
+
+A timeline is data, never verdicts: a series the rule engine writes (`ALERTS`, `ALERTS_FOR_STATE`, any
+recording rule's output: `rule_outputs`) is refused, or a file could say an alert fired that never did. It is
+bounded before anything is evaluated: times are Unix seconds in [0, MAX_TIME_S], the records span at most
+MAX_SPAN_S (promtool evaluates every second of it), at most MAX_RECORDS records and MAX_SERIES series.
 """
 
 from __future__ import annotations
@@ -25,19 +30,26 @@ import io
 import json
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from telemetry.errors import ConfigError
+from telemetry.errors import ConfigError, shown
+from telemetry.safeyaml import load_yaml_file
 
 HEADER_KEY = "memtel_timeline"
 OUTCOMES = ("benign", "failure")
 HEADER_KEYS = ("outcome", "failure_at", "onset_at", "node", "description", "expect")
 EXPECT_KEYS = ("alert", "within_s")
 MAX_TIMELINE_BYTES = 256 * 1024 * 1024
-MAX_RECORDS = 200_000  # 55 hours at one record a second
+MAX_RECORDS = 200_000  # two records a second over the longest span
 MAX_SERIES_PER_RECORD = 10_000
+MAX_SERIES = 10_000     # distinct series in one timeline (the shipped corpus: at most 99; a node exports ~100)
+MAX_SPAN_S = 100_000.0  # the flight recorder's largest ring (100,000 slots) at its 1 s interval: 27.8 h
+MAX_TIME_S = float(2**32)  # Unix seconds up to the year 2106
+# Series only the rule engine writes: its alerts' state. Recording rules' outputs come from the rule files.
+RULE_ENGINE_SERIES = frozenset({"ALERTS", "ALERTS_FOR_STATE"})
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,62}$")
 _ALERT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # `name` or `name{a="x",b="y"}` as the flight recorder writes series keys (telemetry.flight.recorder.series_key).
@@ -72,6 +84,8 @@ class Timeline:
     name: str
     outcome: Outcome
     records: tuple[Record, ...]
+    path: str = ""
+    first_lines: Mapping[str, int] = field(default_factory=dict)  # metric name -> first line that carries it
 
     @property
     def start(self) -> float:
@@ -93,9 +107,23 @@ def parse_series_key(key: str) -> tuple[str, dict[str, str]] | None:
 
 
 def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{where}: expected a finite number, got {str(value)[:40]!r}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: expected a finite number, got {shown(value, 40)}")
+    try:
+        number = float(value)
+    except OverflowError:   # an integer past a float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: expected a finite number, got {shown(value, 40)}")
+    return number
+
+
+def _time(value: Any, where: str) -> float:
+    number = _number(value, where)
+    if not 0 <= number <= MAX_TIME_S:
+        raise ConfigError(f"{where}: expected Unix seconds from 0 to {MAX_TIME_S:.0f} (the year 2106), "
+                          f"got {shown(value, 40)}")
+    return number
 
 
 def _outcome(data: Any, where: str) -> Outcome:
@@ -106,20 +134,20 @@ def _outcome(data: Any, where: str) -> Outcome:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(HEADER_KEYS)}")
     kind = data.get("outcome")
     if kind not in OUTCOMES:
-        raise ConfigError(f"{where}: outcome must be one of {', '.join(OUTCOMES)}, got {str(kind)[:40]!r}")
+        raise ConfigError(f"{where}: outcome must be one of {', '.join(OUTCOMES)}, got {shown(kind, 40)}")
     failure_at = data.get("failure_at")
     if kind == "failure":
         if failure_at is None:
             raise ConfigError(f"{where}: a failure needs failure_at (Unix seconds on the records' clock)")
-        failure_at = _number(failure_at, f"{where}: failure_at")
+        failure_at = _time(failure_at, f"{where}: failure_at")
     elif failure_at is not None:
         raise ConfigError(f"{where}: a benign timeline has no failure_at")
     onset_at = data.get("onset_at")
     if onset_at is not None:
-        onset_at = _number(onset_at, f"{where}: onset_at")
+        onset_at = _time(onset_at, f"{where}: onset_at")
     node = data.get("node", "corpus-node")
     if not isinstance(node, str) or not _NODE.match(node):
-        raise ConfigError(f"{where}: node must be a host name (letters, digits, . _ : -), got {str(node)[:40]!r}")
+        raise ConfigError(f"{where}: node must be a host name (letters, digits, . _ : -), got {shown(node, 40)}")
     description = data.get("description", "")
     if not isinstance(description, str) or len(description) > 2000:
         raise ConfigError(f"{where}: description must be text of at most 2000 characters")
@@ -131,28 +159,63 @@ def _outcome(data: Any, where: str) -> Outcome:
         if not isinstance(item, dict) or set(item) - set(EXPECT_KEYS) or "alert" not in item:
             raise ConfigError(f"{where}: expect[{i}] must be an object with 'alert' and optionally 'within_s'")
         if not isinstance(item["alert"], str) or not _ALERT.match(item["alert"]):
-            raise ConfigError(f"{where}: expect[{i}].alert is not an alert name: {str(item['alert'])[:40]!r}")
+            raise ConfigError(f"{where}: expect[{i}].alert is not an alert name: {shown(item['alert'], 40)}")
         within = item.get("within_s")
-        expect.append(Expectation(item["alert"], None if within is None else
-                                  _number(within, f"{where}: expect[{i}].within_s")))
+        if within is not None:
+            within = _number(within, f"{where}: expect[{i}].within_s")
+            if not 0 <= within <= MAX_SPAN_S:
+                raise ConfigError(f"{where}: expect[{i}].within_s must be seconds from 0 to {MAX_SPAN_S:.0f}, "
+                                  f"got {shown(within, 40)}")
+        expect.append(Expectation(item["alert"], within))
     if expect and kind != "failure":
         raise ConfigError(f"{where}: expect lists alerts that catch a failure; a benign timeline has none")
     return Outcome(kind, failure_at, onset_at, node, description, tuple(expect))
 
 
 def _record(data: dict[str, object], where: str) -> Record:
-    time = _number(data.get("time"), f"{where}: time")
+    time = _time(data.get("time"), f"{where}: time")
     values = data.get("values")
     if not isinstance(values, dict) or len(values) > MAX_SERIES_PER_RECORD:
         raise ConfigError(f"{where}: values must be an object of at most {MAX_SERIES_PER_RECORD} series")
     parsed: dict[str, float] = {}
     for key, value in values.items():
         if parse_series_key(key) is None:
-            raise ConfigError(f"{where}: {key[:80]!r} is not a series name (name or name{{label=\"value\",...}})")
+            raise ConfigError(f"{where}: {shown(key)} is not a series name (name or name{{label=\"value\",...}})")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: the value of {key[:80]} is not a number")
-        parsed[key] = float(value)
+            raise ConfigError(f"{where}: the value of {shown(key)} is not a number")
+        try:
+            parsed[key] = float(value)
+        except OverflowError:
+            raise ConfigError(f"{where}: the value of {shown(key)} is {shown(value, 40)}, past a float's range") \
+                from None
     return Record(time, parsed)
+
+
+def _refused(name: str, where: str) -> ConfigError:
+    return ConfigError(f"{where}: series {shown(name)} is written by the rule engine (an alert's state or a "
+                       "recording rule's output): a timeline holds the rules' inputs only, never their verdicts")
+
+
+def rule_outputs(rule_files: Iterable[Path]) -> frozenset[str]:
+    """The series the rule engine writes with these rules: ALERTS, ALERTS_FOR_STATE and every recording rule's
+    `record` name. A timeline carrying one is refused (refuse_rule_outputs)."""
+    names = set(RULE_ENGINE_SERIES)
+    for path in rule_files:
+        data = load_yaml_file(path, "rule file")
+        groups = data.get("groups") if isinstance(data, dict) else None
+        for group in groups if isinstance(groups, list) else []:
+            rules = group.get("rules") if isinstance(group, dict) else None
+            for rule in rules if isinstance(rules, list) else []:
+                if isinstance(rule, dict) and isinstance(rule.get("record"), str):
+                    names.add(rule["record"])
+    return frozenset(names)
+
+
+def refuse_rule_outputs(timeline: Timeline, outputs: Iterable[str]) -> None:
+    """ConfigError naming the file, the line and the series when `timeline` carries a series of `outputs`."""
+    carried = sorted(set(outputs) & set(timeline.first_lines), key=lambda n: timeline.first_lines[n])
+    if carried:
+        raise _refused(carried[0], f"{timeline.path}:{timeline.first_lines[carried[0]]}")
 
 
 def load_timeline(path: Path) -> Timeline:
@@ -175,13 +238,16 @@ def load_timeline(path: Path) -> Timeline:
         raise ConfigError(f"{path}: not UTF-8 text; expected JSON Lines (memtel flight show --json)") from None
     outcome: Outcome | None = None
     records: list[Record] = []
+    series: set[str] = set()
+    first_lines: dict[str, int] = {}
+    earliest, latest = math.inf, -math.inf
     for number, line in enumerate(text.splitlines(), 1):
         where = f"{path}:{number}"
         if not line.strip():
             continue
         try:
             data = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):   # not JSON; an integer past Python's digit limit
             raise ConfigError(f"{where}: not a JSON object; expected one record or the {HEADER_KEY} line") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: not a JSON object; expected one record or the {HEADER_KEY} line")
@@ -191,8 +257,22 @@ def load_timeline(path: Path) -> Timeline:
             outcome = _outcome(data[HEADER_KEY], where)
             continue
         if len(records) >= MAX_RECORDS:
-            raise ConfigError(f"{where}: more than {MAX_RECORDS} records")
-        records.append(_record(data, where))
+            raise ConfigError(f"{where}: more than {MAX_RECORDS:,} records (the most a timeline may hold)")
+        record = _record(data, where)
+        earliest, latest = min(earliest, record.time), max(latest, record.time)
+        if latest - earliest > MAX_SPAN_S:
+            raise ConfigError(f"{where}: the records span {latest - earliest:,.0f} s; a timeline may span at most "
+                              f"{MAX_SPAN_S:,.0f} s (promtool evaluates every second of it)")
+        for key in record.values:
+            if key not in series:
+                if len(series) >= MAX_SERIES:
+                    raise ConfigError(f"{where}: more than {MAX_SERIES:,} series (the most a timeline may hold)")
+                series.add(key)
+                name = key.split("{", 1)[0]
+                if name in RULE_ENGINE_SERIES:
+                    raise _refused(name, where)
+                first_lines.setdefault(name, number)
+        records.append(record)
     if outcome is None:
         raise ConfigError(f"{path}: no {HEADER_KEY} line saying the outcome (benign, or failure with failure_at); "
                           "see docs/alerts.md")
@@ -202,7 +282,7 @@ def load_timeline(path: Path) -> Timeline:
     if outcome.failure_at is not None and outcome.failure_at < records[0].time:
         raise ConfigError(f"{path}: failure_at {outcome.failure_at} is before the first record ({records[0].time})")
     name = path.name.removesuffix(".gz").removesuffix(".jsonl")
-    return Timeline(name, outcome, tuple(records))
+    return Timeline(name, outcome, tuple(records), str(path), first_lines)
 
 
 def timeline_paths(corpus: Path) -> list[Path]:

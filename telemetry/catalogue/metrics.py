@@ -92,6 +92,10 @@ ENGINE_DEVICE_TOTAL = gauge("memtel_engine_device_total_bytes",
 ENGINE_RESIDENT = gauge("memtel_engine_resident_bytes",
                         "Resident set size of this process at scrape time (/proc/self/statm).", _ENGINE,
                         source="engine")
+ENGINE_START_REMAINING = gauge(
+    "memtel_engine_start_remaining_bytes",
+    "While the engine starts (model loaded, warm-up not returned): what its start will still take, its own budget "
+    "(vLLM's requested memory) less what it holds now; absent once it serves.", _ENGINE, source="engine")
 
 # -- the live forecast (telemetry/hook/forecast/collector.py): labels rank, node (no site) ---------------------
 FORECAST_RESERVED_GROWTH = gauge(
@@ -122,8 +126,9 @@ FORECAST_MAX_PREFILL_TOKENS = gauge(
     ("rank", "node"), source="forecast")
 FORECAST_FIT_BUDGET = gauge(
     "memtel_forecast_fit_budget_bytes",
-    "Memory this rank may still take beyond its live bytes: on unified memory its share of the node's headroom "
-    "less MEMTEL_GUARD_RESERVE_MB, on a discrete GPU the device's free memory, plus what its allocator holds free.",
+    "Memory this rank may still take beyond its live bytes: on unified memory its share of the node's headroom, "
+    "on a discrete GPU the device's free memory less the driver's slack, either less MEMTEL_GUARD_RESERVE_MB, plus "
+    "what its allocator holds free.",
     ("rank", "node"), source="forecast")
 FORECAST_LAST_DURATION = gauge(
     "memtel_forecast_last_duration_seconds",
@@ -281,7 +286,8 @@ UNIFIED_HEADROOM = gauge(
 UNIFIED_HEADROOM_WITHOUT_RECLAIM = gauge(
     "memtel_node_unified_headroom_without_reclaim_bytes",
     "Memory a large-page allocation gets now, without reclaim or compaction: min(MemAvailable, free memory in "
-    "blocks of at least 2 MiB) (the headroom's definition before issue 20).", source="headroom")
+    "blocks of at least 2 MiB) (how memtel defined the headroom before it counted huge-page fault success).",
+    source="headroom")
 HUGE_PAGE_FAULT_SUCCESS_RATIO = gauge(
     "memtel_node_huge_page_fault_success_ratio",
     "Share of the transparent-huge-page faults of the last 300 s that got a huge page (/proc/vmstat "
@@ -411,9 +417,11 @@ GUARD_ADMITTED = counter(
     "admit).", ("path", "counted_by"), source="guard")
 GUARD_REJECTED = counter(
     "memtel_guard_rejected",
-    "Requests the guard answered itself instead of forwarding, by reason: would_not_fit (longer than the longest "
-    "prefill that fits), in_prefill (fits alone, not beside the admitted prefills), blind (--when-blind reject), "
-    "bad_request (malformed), not_forwarded (a path the guard does not pass).", ("reason",), source="guard")
+    "Requests the guard answered itself instead of forwarding, by reason: context_length_exceeded (at least the "
+    "engine's max-model-len: 400, permanent), would_not_fit (longer than the longest prefill that fits now), "
+    "in_prefill (fits alone, not beside the admitted prefills), blind (--when-blind reject), bad_request "
+    "(malformed, or prompt_embeds too large to bound), not_forwarded (a path the guard does not pass).", ("reason",),
+    source="guard")
 GUARD_BLIND_DECISIONS = counter(
     "memtel_guard_blind_decisions",
     "Completion requests decided while the guard was blind, by what --when-blind made of them (admit or reject).",

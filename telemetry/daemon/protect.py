@@ -1,9 +1,10 @@
 """The daemon's evidence-gated last resort (`protect:` in the daemon config; docs/alerts.md, "Protect").
 
-Off by default, and `dry_run: true` by default. Once a second it takes the node's headroom and MemTotal;
-when the headroom is falling for real by the one definition MemtelUnifiedHeadroomFalling also uses
-(telemetry.procfs.headroom.FALLING: below a quarter of MemTotal, a fitted slope steeper than 0.5 GiB/s down
-over 8 s, at least 4 GiB lost in those 8 s) it runs the configured action once per episode: signal a
+Off by default, and `dry_run: true` by default. Once a second it takes the node's headroom and MemTotal (and
+what starting engines will still take, from the local hook exporters); when the headroom is falling for real
+by the one definition MemtelUnifiedHeadroomFalling also uses (telemetry.procfs.headroom.FALLING: below a
+quarter of MemTotal, a fitted slope steeper than 0.5 GiB/s down over 8 s, at least 4 GiB lost in those 8 s,
+and not a start the engines announced that ends above 4 GiB) it runs the configured action once per episode: signal a
 process (by pidfile, systemd unit or process-collector role) or run a command (an argument list, no shell).
 An episode ends when the condition has been false for `rearm_seconds`. Each decision, with its evidence, is
 one log line, counted in `memtel_protect_decisions_total{decision}` and kept in the `memtel_protect_last_*`
@@ -24,13 +25,14 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.core import Metric
 
 from telemetry.catalogue.metrics import (
+    ENGINE_START_REMAINING,
     PROTECT_DECISIONS,
     PROTECT_DRY_RUN,
     PROTECT_EPISODE_ACTIVE,
@@ -39,6 +41,7 @@ from telemetry.catalogue.metrics import (
     PROTECT_LAST_HEADROOM,
     PROTECT_LAST_SLOPE,
 )
+from telemetry.flight.hooks import HookScraper
 from telemetry.procfs.headroom import FALLING, FallingEvidence, FallingRule, falling_evidence
 
 log = logging.getLogger("memtel.daemon.protect")
@@ -51,6 +54,8 @@ MAX_ARG_CHARS = 4096
 COMMAND_TIMEOUT_S = 30.0
 MAX_PIDFILE_BYTES = 64
 MAX_ROLE_PROCESSES = 16
+# headroom, MemTotal[, per starting engine what its start will still take]
+Reading = tuple[float, float] | tuple[float, float, Mapping[str, float]]
 _UNIT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:-_.@\\")
 
 
@@ -134,16 +139,21 @@ class Episodes:
 
     rearm_seconds: float = 60.0
     rule: FallingRule = FALLING
-    samples: deque[tuple[float, float]] = field(default_factory=deque)
+    samples: deque[tuple[float, float, Mapping[str, float]]] = field(default_factory=deque)
     active: bool = False
     last_true: float | None = None
 
-    def observe(self, now: float, headroom: float, mem_total: float) -> FallingEvidence | None:
-        """The evidence if this sample starts an episode (act now), else None."""
-        self.samples.append((now, headroom))
-        while self.samples and self.samples[0][0] < now - self.rule.window_seconds:
+    def observe(self, now: float, headroom: float, mem_total: float,
+                start_remaining: Mapping[str, float] | None = None) -> FallingEvidence | None:
+        """The evidence if this sample starts an episode (act now), else None. `start_remaining`: per starting
+        engine (any key naming it), what its start will still take (its hook's memtel_engine_start_remaining_bytes;
+        empty or None: no engine is starting)."""
+        self.samples.append((now, headroom, start_remaining or {}))
+        keep = self.rule.window_seconds + self.rule.start_lag_seconds  # falling_evidence's history
+        while self.samples and self.samples[0][0] < now - keep:
             self.samples.popleft()
-        evidence = falling_evidence(list(self.samples), mem_total, self.rule)
+        evidence = falling_evidence([(t, v) for t, v, _ in self.samples], mem_total, self.rule,
+                                    [r for _, _, r in self.samples])
         falling = evidence is not None and evidence.is_falling(self.rule)
         if falling:
             self.last_true = now
@@ -246,9 +256,10 @@ def run_action(config: ProtectConfig, roles: dict[str, Any]) -> str:
 
 # -- the loop and its metrics ---------------------------------------------------------------------------------
 class Protect:
-    """The protect loop: `sample()` gives (headroom, MemTotal) or None; `collect()` gives its metrics."""
+    """The protect loop: `sample()` gives (headroom, MemTotal, what starting engines will still take or None) or
+    None; `collect()` gives its metrics."""
 
-    def __init__(self, config: ProtectConfig, sample: Callable[[], tuple[float, float] | None],
+    def __init__(self, config: ProtectConfig, sample: Callable[[], Reading | None],
                  roles: dict[str, Any] | None = None, clock: Callable[[], float] = time.time,
                  action: Callable[[ProtectConfig, dict[str, Any]], str] = run_action) -> None:
         self.config = config
@@ -262,6 +273,7 @@ class Protect:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.starts: HookScraper | None = None  # the local hook exporters' engine-start series (build_protect)
 
     def step(self) -> Decision | None:
         """One sample through the definition; the decision it led to, if any."""
@@ -284,13 +296,18 @@ class Protect:
             self.last = decision
         level = logging.ERROR if decision.decision == "failed" else logging.WARNING
         slope = evidence.slope_bytes_per_second or 0.0
+        starts = ("no engine starting" if evidence.after_starts_bytes is None else
+                  f"{evidence.after_starts_bytes / 2**30:.2f} GiB once the starting engines hold their plan")
         log.log(level, "protect %s: %s; headroom %.2f GiB of %.1f GiB, falling %.2f GiB/s, %.2f GiB lost in %g s "
-                "(%d samples)", decision.decision, decision.detail, evidence.headroom_bytes / 2**30,
+                "(%d samples), %s", decision.decision, decision.detail, evidence.headroom_bytes / 2**30,
                 evidence.mem_total_bytes / 2**30, -slope / 2**30, evidence.drop_bytes / 2**30,
-                self.episodes.rule.window_seconds, evidence.samples)
+                self.episodes.rule.window_seconds, evidence.samples, starts)
         return decision
 
     def start(self) -> None:
+        if self.starts is not None:
+            self.starts.start()
+
         def loop() -> None:
             while not self._stop.wait(self.config.interval_seconds):
                 try:
@@ -305,6 +322,8 @@ class Protect:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.starts is not None:
+            self.starts.stop()
 
     def collect(self) -> list[Metric]:
         with self._lock:
@@ -322,9 +341,17 @@ class Protect:
         return families
 
 
+def start_remaining_bytes(hook_values: Mapping[str, float]) -> dict[str, float]:
+    """Per starting engine (its series key), what its start will still take: the hook exporters' last values of
+    memtel_engine_start_remaining_bytes; empty when no engine is starting."""
+    prefix = ENGINE_START_REMAINING.series + "{"
+    return {key: value for key, value in hook_values.items() if key.startswith(prefix)}
+
+
 def build_protect(config: Any) -> Protect:
     """The protect loop of a daemon config (telemetry.daemon.config.DaemonConfig): it reads the headroom with
-    the headroom collector's code, MemTotal from meminfo, and the roles of the process collector."""
+    the headroom collector's code, MemTotal from meminfo, the engines' starts from the local hook exporters of
+    `flight.hook_targets` (none configured: no start explains a fall), and the roles of the process collector."""
     from telemetry.catalogue.metrics import UNIFIED_HEADROOM
     from telemetry.daemon.collectors.headroom import HeadroomCollector
     from telemetry.procfs.meminfo import MeminfoReader
@@ -332,15 +359,21 @@ def build_protect(config: Any) -> Protect:
     root = config.proc_root
     headroom = HeadroomCollector(str(root / "meminfo"), str(root / "buddyinfo"), vmstat_path=str(root / "vmstat"))
     meminfo = MeminfoReader(str(root / "meminfo"))
+    targets = config.flight.hook_targets
+    starts = HookScraper(targets, config.protect.interval_seconds) if targets else None
 
-    def sample() -> tuple[float, float] | None:
+    def sample() -> Reading | None:
         values = {s.name: s.value for family in headroom.collect() for s in family.samples}
         total = meminfo.read().get("MemTotal")
         value = values.get(UNIFIED_HEADROOM.series)
-        return None if value is None or not total else (float(value), float(total))
+        if value is None or not total:
+            return None
+        return float(value), float(total), {} if starts is None else start_remaining_bytes(starts.latest())
 
     roles = {role.role: role.cmdline for role in config.processes.roles}
     protect = Protect(config.protect, sample, roles)
+    protect.starts = starts
     mode = "dry run, " if config.protect.dry_run else ""
-    log.info("protect on (%swill %s once per falling-headroom episode)", mode, config.protect.describe_action())
+    log.info("protect on (%swill %s once per falling-headroom episode; engine starts read from %s)", mode,
+             config.protect.describe_action(), ", ".join(targets) if targets else "no hook exporter")
     return protect

@@ -1,8 +1,9 @@
 """The last values of the local hook exporters, for the flight recorder (optional).
 
 The hook's exporter runs inside the serving process (one per rank, default port 9200 + local rank).
-A thread scrapes each configured target once an interval with a short timeout, keeps the allocator
-and host-memory series (not histogram buckets) and hands the last good values to the recorder, so a
+A thread scrapes each configured target once an interval with a short timeout, keeps the allocator,
+host-memory and engine-start series (not histogram buckets; the daemon's protect action reads the last)
+and hands the last good values to the recorder, so a
 slow or dead serving process never delays a record. Everything is bounded: the response size, the
 series kept per target, the number of targets (config).
 """
@@ -24,12 +25,13 @@ log = logging.getLogger("memtel.daemon.flight")
 
 MAX_RESPONSE_BYTES = 1 << 20
 MAX_SERIES_PER_TARGET = 256
-KEPT_PREFIXES = ("memtel_allocator_", "memtel_hook_host_")
+KEPT_PREFIXES = ("memtel_allocator_", "memtel_hook_host_", "memtel_engine_start_")
 _SKIPPED_SUFFIXES = ("_bucket", "_created")
 
 
 def hook_series(text: str, target: str) -> dict[str, float]:
-    """The allocator and host-memory samples of one hook exporter's /metrics text, labelled with `target`."""
+    """The allocator, host-memory and engine-start samples of one hook exporter's /metrics text, labelled with
+    `target`."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -4,9 +4,9 @@
 - `LimitTracker` (limit.py): the hooks' forecasts, the limit in force, the blind episodes.
 - `PromptSize`, `measure` (prompt.py): a prompt's tokens bounded from above and below without a tokenizer.
 - `GuardMetrics`, `GuardCollector`, `guard_registry` (metrics.py): the guard's own Prometheus metrics.
-- http.py: the HTTP/1.1 of a streaming reverse proxy over asyncio streams.
+- http.py: HTTP/1.1 through h11 on both sides, over connections with backpressure both ways.
 
-Standard library plus prometheus_client: it runs on serving boxes with the core install (docs/guard.md).
+Standard library plus h11 and prometheus_client: it runs on serving boxes with the core install (docs/guard.md).
 """
 
 from telemetry.guard.limit import HookTarget, Limit, LimitTracker, RankFit, parse_fits

@@ -8,6 +8,11 @@ the rank may still take), `memtel_forecast_fit_budget_bytes` (that memory),
 refusal). A rank is fresh while its hook answered within `stale_s` and its forecast is younger than
 `stale_s`. The limit is the smallest fresh rank's tokens (cut by `reserve_bytes`, see `RankFit.tokens`),
 less the tokens of admitted requests still in their prefill (`hold`/`release`). No fresh rank: blind.
+
+A hook is not trusted further than its gauges make sense: a rank whose tokens or budget is NaN, infinite
+or negative, or whose forecast time is missing, not a positive finite number, or in the future, is not
+fresh, and `why_blind` says why. An answer is read through h11 (at most `MAX_METRICS_BYTES`) and parsed in
+a worker thread, so a large one does not stall the event loop that serves the clients.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import ConfigError
-from telemetry.guard.http import dechunk
+from telemetry.guard.http import ClientSide, UpstreamError, open_channel
 
 log = logging.getLogger("memtel.guard")
 
@@ -34,7 +39,11 @@ FIT_BUDGET = catalogue.FORECAST_FIT_BUDGET.series
 LAST_SUCCESS = catalogue.FORECAST_LAST_SUCCESS.series
 GROWTH = catalogue.FORECAST_RESERVED_GROWTH.series
 _WANTED = (MAX_PREFILL, FIT_BUDGET, LAST_SUCCESS, GROWTH)
-MAX_METRICS_BYTES = 32 << 20  # a hook's /metrics is tens of kB; a larger answer is not a hook's
+MAX_METRICS_BYTES = 4 << 20  # a hook's /metrics is tens of kB; a larger answer is not a hook's
+MAX_HEAD_BYTES = 16384
+# How far ahead of the guard's clock a forecast's timestamp may be (the hooks' nodes' clocks, NTP-synced,
+# differ by milliseconds); further ahead, the timestamp is wrong and would never age.
+FUTURE_SLACK_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -95,8 +104,30 @@ class RankFit:
         return next(((t, b) for t, b in self.growth_bytes if t >= tokens), None)
 
 
+    def stale_reason(self, wall: float, stale_s: float) -> str | None:
+        """Why this forecast is not used at unix time `wall`, or None while it is fresh."""
+        at = self.forecast_time
+        if at is None:
+            return f"rank {self.rank} on node {self.node} exports no {LAST_SUCCESS}"
+        if at > wall + FUTURE_SLACK_S:
+            return f"rank {self.rank} on node {self.node}: forecast time {at - wall:.3g} s in the future"
+        if wall - at > stale_s:
+            return f"forecast older than {stale_s:g} s"
+        return None
+
+
 def parse_fits(text: str) -> list[RankFit]:
-    """The ranks' forecasts in a hook's exposition text (only the wanted series are parsed)."""
+    """The ranks' usable forecasts in a hook's exposition text (`parse_hook` without the rejections)."""
+    return parse_hook(text)[0]
+
+
+def _bad(value: float | None, *, positive: bool = False) -> bool:
+    return value is not None and (not math.isfinite(value) or value < 0 or (positive and value == 0))
+
+
+def parse_hook(text: str) -> tuple[list[RankFit], list[str]]:
+    """The ranks' forecasts in a hook's exposition text (only the wanted series are parsed), and why each rank
+    that exports nonsense (a NaN, infinite or negative gauge or forecast time) is left out."""
     lines = [line for line in text.splitlines() if line.startswith(_WANTED)]
     values: dict[tuple[str, str], dict[str, float]] = {}
     growth: dict[tuple[str, str], list[tuple[int, float]]] = {}
@@ -105,25 +136,31 @@ def parse_fits(text: str) -> list[RankFit]:
             key = (sample.labels.get("rank", ""), sample.labels.get("node", ""))
             if sample.name == GROWTH:
                 length = sample.labels.get("tokens", "")
-                if length.isdigit() and math.isfinite(sample.value):
+                if length.isdigit() and len(length) <= 18 and math.isfinite(sample.value) and sample.value >= 0:
                     growth.setdefault(key, []).append((int(length), sample.value))
             elif sample.name in (MAX_PREFILL, FIT_BUDGET, LAST_SUCCESS):
                 values.setdefault(key, {})[sample.name] = sample.value
-    fits = []
+    fits, rejected = [], []
     for (rank, node), found in values.items():
-        tokens = found.get(MAX_PREFILL)
-        if tokens is None or not math.isfinite(tokens) or tokens < 0:
+        tokens, budget, at = found.get(MAX_PREFILL), found.get(FIT_BUDGET), found.get(LAST_SUCCESS)
+        if tokens is None:
             continue
-        budget = found.get(FIT_BUDGET)
-        fits.append(RankFit(rank, node, int(tokens), budget if budget is not None and math.isfinite(budget) else None,
-                            found.get(LAST_SUCCESS), tuple(sorted(growth.get((rank, node), [])))))
-    return fits
+        bad = [f"{name} is {value:g}" for name, value, positive in ((MAX_PREFILL, tokens, False),
+                                                                   (FIT_BUDGET, budget, False),
+                                                                   (LAST_SUCCESS, at, True))
+               if _bad(value, positive=positive)]
+        if bad:
+            rejected.append(f"rank {rank} on node {node}: {', '.join(bad)}")
+            continue
+        fits.append(RankFit(rank, node, int(tokens), budget, at, tuple(sorted(growth.get((rank, node), [])))))
+    return fits, rejected
 
 
 @dataclass
 class HookState:
     target: HookTarget
     fits: list[RankFit] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)  # ranks whose gauges make no sense, and why
     scraped_at: float | None = None  # monotonic time of the last successful scrape
     error: str | None = None  # why the last scrape failed
     failures: int = 0
@@ -157,23 +194,22 @@ class LimitTracker:
         self.published_fresh = 0
 
     # -- the hooks' answers ------------------------------------------------------------------------
-    def record(self, hook: HookState, fits: list[RankFit] | None, error: str | None) -> None:
+    def record(self, hook: HookState, fits: list[RankFit] | None, error: str | None,
+               rejected: list[str] | None = None) -> None:
         if fits is not None:
             hook.fits, hook.scraped_at, hook.error = fits, time.monotonic(), None
+            hook.rejected = rejected or []
         else:
             hook.error = error
             hook.failures += 1
 
     def fresh(self) -> list[tuple[HookState, RankFit]]:
         now, wall = time.monotonic(), time.time()
-        found = []
+        found: list[tuple[HookState, RankFit]] = []
         for hook in self.hooks:
             if hook.scraped_at is None or now - hook.scraped_at > self.stale_s:
                 continue
-            for fit in hook.fits:
-                if fit.forecast_time is not None and wall - fit.forecast_time > self.stale_s:
-                    continue
-                found.append((hook, fit))
+            found.extend((hook, fit) for fit in hook.fits if fit.stale_reason(wall, self.stale_s) is None)
         return found
 
     def why_blind(self) -> str:
@@ -183,10 +219,12 @@ class LimitTracker:
             # the cause (the forecast can age past stale_s a scrape's latency before the answer does).
             if hook.error is not None or hook.scraped_at is None or time.monotonic() - hook.scraped_at > self.stale_s:
                 parts.append(f"{hook.target.url}: {hook.error or 'no answer yet'}")
-            elif not hook.fits:
+            elif not hook.fits and not hook.rejected:
                 parts.append(f"{hook.target.url}: exports no {MAX_PREFILL}")
             else:
-                parts.append(f"{hook.target.url}: forecast older than {self.stale_s:g} s")
+                wall = time.time()
+                reasons = [*hook.rejected, *(r for f in hook.fits if (r := f.stale_reason(wall, self.stale_s)))]
+                parts.append(f"{hook.target.url}: {'; '.join(dict.fromkeys(reasons)) or 'fresh'}")
         return "; ".join(parts)
 
     # -- the limit ----------------------------------------------------------------------------------
@@ -235,44 +273,41 @@ class LimitTracker:
             self._blind_since = now
 
 
-async def fetch_metrics(target: HookTarget, timeout_s: float) -> str:
-    """One GET of a hook's /metrics; OSError / TimeoutError / ValueError on failure."""
-    async def get() -> str:
+async def fetch_metrics(target: HookTarget, timeout_s: float) -> bytes:
+    """One GET of a hook's /metrics, its body (at most MAX_METRICS_BYTES), all within `timeout_s`;
+    OSError / TimeoutError / UpstreamError on failure."""
+    async def get() -> bytes:
         context = ssl.create_default_context() if target.tls else None
-        reader, writer = await asyncio.open_connection(target.host, target.port, ssl=context,
-                                                       limit=MAX_METRICS_BYTES)
+        side = ClientSide(await open_channel(target.host, target.port, context, timeout_s), MAX_HEAD_BYTES)
         try:
-            auth = f"Authorization: {target.authorization}\r\n" if target.authorization else ""
-            writer.write(f"GET {target.path} HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n{auth}"
-                         "Accept: text/plain\r\nConnection: close\r\n\r\n".encode())
-            await writer.drain()
-            data = await reader.read(MAX_METRICS_BYTES + 1)
-            while len(data) <= MAX_METRICS_BYTES and (more := await reader.read(MAX_METRICS_BYTES + 1 - len(data))):
-                data += more
+            headers = [("Host", f"{target.host}:{target.port}"), ("Accept", "text/plain"), ("Connection", "close")]
+            if target.authorization:
+                headers.append(("Authorization", target.authorization))
+            await side.send_request("GET", target.path, headers, b"", timeout_s)
+            response = await side.response()
+            if response.status != 200:
+                raise UpstreamError(f"answered HTTP {response.status}")
+            return await side.read_all(MAX_METRICS_BYTES)
         finally:
-            writer.close()
-        if len(data) > MAX_METRICS_BYTES:
-            raise ValueError(f"answer larger than {MAX_METRICS_BYTES} bytes")
-        head, sep, body = data.partition(b"\r\n\r\n")
-        status_line = head.split(b"\r\n", 1)[0].decode("latin-1")
-        if not sep or status_line.split(" ")[1:2] != ["200"]:
-            raise ValueError(f"answered {status_line[:60]!r}")
-        if b"transfer-encoding: chunked" in head.lower():
-            body = dechunk(body)
-        return body.decode("utf-8", "replace")
+            side.channel.close()
 
     return await asyncio.wait_for(get(), timeout_s)
+
+
+def _read_hook(body: bytes) -> tuple[list[RankFit], list[str]]:
+    return parse_hook(body.decode("utf-8", "replace"))
 
 
 async def scrape_forever(tracker: LimitTracker, poll_s: float, timeout_s: float) -> None:
     """Scrape every hook every `poll_s` (all at once), record the answers, keep the blind state current."""
     async def one(hook: HookState) -> None:
         try:
-            fits = parse_fits(await fetch_metrics(hook.target, timeout_s))
-        except (OSError, asyncio.TimeoutError, ValueError) as exc:
+            body = await fetch_metrics(hook.target, timeout_s)
+            fits, rejected = await asyncio.to_thread(_read_hook, body)  # not on the loop that serves the clients
+        except (OSError, asyncio.TimeoutError, UpstreamError, ValueError) as exc:
             tracker.record(hook, None, f"{type(exc).__name__}: {exc}"[:200])
         else:
-            tracker.record(hook, fits, None)
+            tracker.record(hook, fits, None, rejected)
 
     while True:
         started = time.monotonic()
@@ -282,4 +317,4 @@ async def scrape_forever(tracker: LimitTracker, poll_s: float, timeout_s: float)
 
 
 __all__ = ["FIT_BUDGET", "GROWTH", "LAST_SUCCESS", "MAX_PREFILL", "HookState", "HookTarget", "Limit", "LimitTracker",
-           "RankFit", "fetch_metrics", "parse_fits", "scrape_forever"]
+           "RankFit", "fetch_metrics", "parse_fits", "parse_hook", "scrape_forever"]

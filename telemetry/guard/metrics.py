@@ -28,7 +28,8 @@ ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
                          2.5, 5.0)
 # Label values exported even at 0, so a rate() sees the first one.
 FIXED_LABELS: dict[Family, tuple[tuple[str, ...], ...]] = {
-    catalogue.GUARD_REJECTED: (("would_not_fit",), ("in_prefill",), ("blind",), ("bad_request",), ("not_forwarded",)),
+    catalogue.GUARD_REJECTED: (("context_length_exceeded",), ("would_not_fit",), ("in_prefill",), ("blind",),
+                               ("bad_request",), ("not_forwarded",)),
     catalogue.GUARD_BLIND_DECISIONS: (("admit",), ("reject",)),
     catalogue.GUARD_UPSTREAM_FAILURES: (("connect",), ("request",), ("body",), ("tokenize",)),
     catalogue.GUARD_CONNECTIONS: (("evicted",), ("refused",)),

@@ -8,8 +8,11 @@ ones get a 503 with `Retry-After` and an OpenAI-style error body. The paths in `
 unchanged. Any other path is answered 404 here: an endpoint that runs a prefill the guard does not size
 (`/v1/embeddings`, SGLang's `/generate`) must not reach the engine around it.
 
-Limits as the exporter's (telemetry/exporter/server.py): a bounded number of client connections (past
-it, the one idle the longest is closed), idle and request timeouts, a bounded head and body.
+HTTP/1.1 on both sides goes through h11 (telemetry/guard/http.py): a request is read whole, checked for
+framing the upstream could read otherwise (`_check_framing`), decided, and sent upstream re-framed.
+Bounds (`GuardLimits`, docs/guard.md "Limits"): a number of client connections (past it, the one that has
+waited longest for its next request or for the rest of its request is closed), idle, read, request and send
+timeouts, a bounded head and body.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import ssl
 import time
 import urllib.parse
@@ -33,25 +35,25 @@ from telemetry.catalogue.fields import (
     GUARD_NOT_FORWARDED,
     GUARD_UPSTREAM_ERROR,
     GUARD_UPSTREAM_UNAVAILABLE,
-    GUARD_WOULD_NOT_FIT,
 )
 from telemetry.errors import ConfigError
+from telemetry.guard.admission import admit
 from telemetry.guard.http import (
-    BodyRelay,
+    Channel,
+    ClientSide,
     HttpError,
-    Message,
+    Request,
+    Response,
+    ServerSide,
     UpstreamClosed,
-    build_request,
-    build_response,
-    content_length,
-    dechunk,
-    parse_head,
-    read_head,
-    relayed_head,
+    UpstreamError,
+    end_to_end,
+    open_channel,
 )
-from telemetry.guard.limit import Limit, LimitTracker
+from telemetry.guard.limit import LimitTracker
 from telemetry.guard.metrics import GuardMetrics
 from telemetry.guard.prompt import CHAT_COMPLETIONS, COMPLETIONS, PromptError, PromptSize, measure, parse_body
+from telemetry.guard.refusal import MODELS_PATH, RETRY_AFTER_S, ContextLength, Refusal, error_body
 
 log = logging.getLogger("memtel.guard")
 
@@ -61,18 +63,17 @@ PASS_THROUGH = {"GET": ("/v1/models", "/health", "/ping", "/version", "/metrics"
                 "POST": ("/tokenize", "/detokenize")}
 MODEL_PATH_PREFIX = "/v1/models/"
 WHEN_BLIND = ("admit", "reject")
-RETRY_AFTER_S = {"would_not_fit": 10, "in_prefill": 1, "blind": 5}
 _JSON = "application/json"
 LINGER_S = 2.0
-# What a connection's reader buffers before it stops reading the socket: large enough that a 4 MB prompt
-# arrives in a few reads, small enough that 256 connections sending garbage heads hold 64 MiB at most.
-STREAM_BUFFER_BYTES = 256 * 1024
+LINGER_BYTES = 128 << 20
 # Bodies larger than this are parsed and counted in a worker thread, so a 64 MiB body (most of a second of
 # JSON parsing) does not stop the event loop that serves every other connection and stream for that long.
 # Smaller ones, a 1M-token prompt included (4 to 8 MB, 30 to 60 ms here), are parsed on the loop: handing
 # them to a thread made the 1M-token refusal about 25 ms slower at the median (BENCHMARKS.md, "memtel guard").
 INLINE_PARSE_BYTES = 8 << 20
-LINGER_BYTES = 128 << 20
+# What a body that cannot be parsed raises besides PromptError: a 5,000-digit integer is a ValueError of
+# int()'s digit limit, deep nesting a RecursionError. Each is the client's error: a 400, never a traceback.
+_BODY_ERRORS = (PromptError, ValueError, TypeError, RecursionError, MemoryError)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class GuardLimits:
     max_connections: int = 256
     idle_timeout_s: float = 90.0  # a client connection without a request
     request_timeout_s: float = 60.0  # from a request's first byte to its body's last (a 64 MiB body on a slow link)
+    read_timeout_s: float = 10.0  # inside a request, the longest wait for the client's next bytes
+    send_timeout_s: float = 60.0  # the longest a client may take nothing of an answer before it is dropped
     max_head_bytes: int = 16384
     max_body_bytes: int = 64 << 20  # a 1M-token prompt is 4 to 8 MB of JSON
     connect_timeout_s: float = 10.0  # to the upstream
@@ -115,58 +118,53 @@ class Upstream:
 
 
 class _UpstreamPool:
-    """Kept-alive connections to the upstream, reused one request at a time."""
+    """Kept-alive connections to the upstream, each reused only after an exchange h11 saw finish cleanly."""
 
     def __init__(self, upstream: Upstream, limits: GuardLimits) -> None:
         self.upstream = upstream
         self.limits = limits
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._idle: list[ClientSide] = []
         self._ssl = ssl.create_default_context() if upstream.tls else None
 
-    async def get(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+    async def get(self) -> tuple[ClientSide, bool]:
+        """A connection, and whether it was kept alive from an earlier exchange."""
         while self._idle:
-            reader, writer = self._idle.pop()
-            if not reader.at_eof() and not writer.is_closing():
-                return reader, writer, True
-            writer.close()
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.upstream.host, self.upstream.port, ssl=self._ssl,
-                                    limit=STREAM_BUFFER_BYTES),
-            self.limits.connect_timeout_s)
-        return reader, writer, False
+            side = self._idle.pop()
+            side.channel.idle = False
+            if not side.channel.closed:  # a byte or EOF while it was idle has closed it
+                return side, True
+        return await self.connect(), False
 
-    def put(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._idle) < self.limits.max_idle_upstream and not reader.at_eof():
-            self._idle.append((reader, writer))
+    async def connect(self) -> ClientSide:
+        channel = await open_channel(self.upstream.host, self.upstream.port, self._ssl, self.limits.connect_timeout_s)
+        return ClientSide(channel, self.limits.max_head_bytes)
+
+    def put(self, side: ClientSide) -> None:
+        """Keep `side` for the next exchange if h11 says its last one ended cleanly; else close it."""
+        if len(self._idle) < self.limits.max_idle_upstream and side.reusable():
+            side.channel.idle = True
+            self._idle.append(side)
         else:
-            writer.close()
+            side.channel.close()
 
     def close(self) -> None:
-        for _reader, writer in self._idle:
-            writer.close()
+        for side in self._idle:
+            side.channel.close()
         self._idle.clear()
 
 
 class _Client:
-    __slots__ = ("idle_since", "task", "writer")
+    __slots__ = ("channel", "task", "waiting_since")
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        self.idle_since: float | None = time.monotonic()
-        self.task = asyncio.current_task()
-
-
-class _Refusal(Exception):
-    def __init__(self, status: int, body: dict[str, Any], retry_after: int | None) -> None:
-        super().__init__(body["error"]["message"])
-        self.status = status
-        self.body = body
-        self.retry_after = retry_after
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        # Since when it has been waiting for its next request or reading one (head or body); None while the
+        # guard handles a request it read whole. The one waiting longest is evicted first.
+        self.waiting_since: float | None = time.monotonic()
+        self.task: asyncio.Task[None] | None = None
 
 
-def error_body(kind: str, message: str, status: int, **fields: Any) -> dict[str, Any]:
-    """OpenAI's error shape: `message`, `type`, `param`, `code`, then the guard's own fields."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": status, **fields}}
+_Refusal = Refusal  # status, OpenAI error body, Retry-After and x-should-retry (refusal.py)
 
 
 class GuardProxy:
@@ -180,14 +178,17 @@ class GuardProxy:
         self.when_blind = when_blind
         self.limits = limits or GuardLimits()
         self._pool = _UpstreamPool(upstream, self.limits)
+        self.context = ContextLength()  # the engine's max-model-len, read when a prompt is over the limit
         self._clients: set[_Client] = set()
+        self._refusing: set[asyncio.Future[None]] = set()  # answering 503 to connections past the bound
         self._server: asyncio.base_events.Server | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self, host: str, port: int) -> int:
         """Listen; the port actually bound (port 0 picks one)."""
-        self._server = await asyncio.start_server(self._serve_client, host, port, backlog=1024,
-                                                  limit=STREAM_BUFFER_BYTES, reuse_address=True)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: Channel(self._accept), host, port, backlog=1024,
+                                                reuse_address=True)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -206,41 +207,56 @@ class GuardProxy:
         return len(self._clients)
 
     # -- one client connection ------------------------------------------------------------------------
-    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._clients) >= self.limits.max_connections and not self._evict_idlest():
+    def _accept(self, channel: Channel) -> None:
+        if len(self._clients) >= self.limits.max_connections and not self._evict_waiting():
             self.metrics.count(catalogue.GUARD_CONNECTIONS, "refused")
-            writer.write(build_response(503, b"memtel guard: too many connections\n", "text/plain",
-                                        keep_alive=False))
-            with contextlib.suppress(Exception):
-                await writer.drain()
-            writer.close()
+            task = asyncio.ensure_future(self._too_many(channel))
+            self._refusing.add(task)
+            task.add_done_callback(self._refusing.discard)
             return
-        client = _Client(writer)
+        client = _Client(channel)
         self._clients.add(client)
+        client.task = asyncio.ensure_future(self._serve_client(client))
+
+    async def _too_many(self, channel: Channel) -> None:
+        side = ServerSide(channel, self.limits.max_head_bytes)
+        with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError, HttpError):
+            await side.respond(503, [("Content-Type", "text/plain"), ("Connection", "close")],
+                               b"memtel guard: too many connections\n", self.limits.send_timeout_s)
+        channel.close()
+
+    async def _serve_client(self, client: _Client) -> None:
+        limits = self.limits
+        side = ServerSide(client.channel, limits.max_head_bytes)
         try:
             while True:
-                client.idle_since = time.monotonic()
-                raw = await asyncio.wait_for(read_head(reader, self.limits.max_head_bytes),
-                                             self.limits.idle_timeout_s)
-                client.idle_since = None
-                if raw is None:
+                client.waiting_since = time.monotonic()
+                request = await side.next_request(limits.idle_timeout_s, limits.read_timeout_s,
+                                                  limits.request_timeout_s)
+                if request is None:
                     break
                 started = time.perf_counter()
-                request = parse_head(raw, request=True)
-                keep_alive = _wants_keep_alive(request)
-                body = await asyncio.wait_for(self._read_body(request, reader, writer),
-                                              self.limits.request_timeout_s)
-                if not await self._handle(request, body, writer, keep_alive, started):
+                self._check_framing(request)
+                body = await side.read_body(limits.max_body_bytes, limits.read_timeout_s, limits.send_timeout_s)
+                client.waiting_since = None
+                await self._handle(request, body, side, started)
+                if not side.next_cycle():
                     break
         except HttpError as exc:
             self.metrics.count(catalogue.GUARD_REJECTED, "bad_request")
-            await self._answer(writer, exc.status, error_body(GUARD_BAD_REQUEST, str(exc), exc.status),
-                               keep_alive=False)
+            if side.answering:
+                await self._answer(side, exc.status, error_body(GUARD_BAD_REQUEST, str(exc), exc.status), close=True)
             # A lingering close: read (and drop) what the client is still sending for a moment, so it reads
             # the answer instead of a reset (RFC 9112 section 9.6).
-            with contextlib.suppress(asyncio.TimeoutError, ConnectionError, OSError):
-                await asyncio.wait_for(_discard(reader, LINGER_BYTES), LINGER_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
+            with contextlib.suppress(ConnectionError, OSError):
+                await client.channel.discard(LINGER_BYTES, LINGER_S)
+        except asyncio.TimeoutError:
+            if side.mid_request and side.answering:  # a slow head or body, not an idle keep-alive connection
+                self.metrics.count(catalogue.GUARD_REJECTED, "bad_request")
+                message = (f"the request did not arrive in time: at most {limits.read_timeout_s:g} s between its "
+                           f"bytes and {limits.request_timeout_s:g} s in all")
+                await self._answer(side, 408, error_body(GUARD_BAD_REQUEST, message, 408), close=True)
+        except (ConnectionError, OSError):
             pass
         except asyncio.CancelledError:  # the guard is stopping
             pass
@@ -248,81 +264,79 @@ class GuardProxy:
             log.exception("memtel guard: a connection failed: %s: %s", type(exc).__name__, exc)
         finally:
             self._clients.discard(client)
-            writer.close()
+            client.channel.close()
 
-    def _evict_idlest(self) -> bool:
-        idle = [c for c in self._clients if c.idle_since is not None]
-        if not idle:
+    def _evict_waiting(self) -> bool:
+        """Close the connection that has waited longest for its next request or for the rest of its request
+        (a slow head or a slow body); False when every connection has a request in hand."""
+        waiting = [c for c in self._clients if c.waiting_since is not None]
+        if not waiting:
             return False
-        victim = min(idle, key=lambda c: c.idle_since or 0.0)
+        victim = min(waiting, key=lambda c: c.waiting_since or 0.0)
         self._clients.discard(victim)
-        victim.writer.close()
+        victim.channel.close()
         self.metrics.count(catalogue.GUARD_CONNECTIONS, "evicted")
         return True
 
-    async def _read_body(self, request: Message, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
-        if "chunked" in request.tokens("transfer-encoding") or request.get("transfer-encoding"):
-            raise HttpError(411, "chunked request bodies are not accepted; send the body with a Content-Length")
-        length = content_length(request, request=True) or 0
-        if length > self.limits.max_body_bytes:
+    def _check_framing(self, request: Request) -> None:
+        """Refuse what an upstream could frame otherwise than h11 did, and bodies the guard would not take."""
+        has_length, chunked = request.has("content-length"), request.has("transfer-encoding")
+        if has_length and chunked:
+            raise HttpError(400, "the request has both Content-Length and Transfer-Encoding; send one")
+        length = request.get("content-length")
+        if request.method in ("GET", "HEAD") and (chunked or (length and int(length) > 0)):
+            raise HttpError(400, f"a {request.method} request must not carry a body")
+        if length and int(length) > self.limits.max_body_bytes:
             raise HttpError(413, f"request body of {length} bytes is larger than the guard's limit of "
                                  f"{self.limits.max_body_bytes} bytes")
-        if not length:
-            return b""
-        if "100-continue" in request.tokens("expect"):
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        return await reader.readexactly(length)
+        encoding = request.get("content-encoding").strip().lower()
+        if encoding not in ("", "identity"):
+            raise HttpError(415, f"request bodies with Content-Encoding {encoding[:40]!r} are not accepted; "
+                                 "send the body uncompressed")
 
     # -- one request ----------------------------------------------------------------------------------
-    async def _handle(self, request: Message, body: bytes, writer: asyncio.StreamWriter, keep_alive: bool,
-                      started: float) -> bool:
-        method, target = request.start[0], request.start[1]
-        path = target.split("?", 1)[0]
+    async def _handle(self, request: Request, body: bytes, client: ServerSide, started: float) -> None:
+        method, path = request.method, request.target.split("?", 1)[0]
         if path in GUARDED:
             if method != "POST":
-                return await self._refuse_path(writer, keep_alive, 405, f"{path} takes POST, not {method}")
-            return await self._guarded(request, path, body, writer, keep_alive, started)
+                return await self._refuse_path(client, 405, f"{path} takes POST, not {method}")
+            return await self._guarded(request, path, body, client, started)
         gets = PASS_THROUGH["GET"]
         if path == "/health" and self.when_blind == "reject" and self.tracker.limit() is None:
             # Refusing every completion while blind, the service is down for clients: say so where load
             # balancers and the harness look (and a guard that has not seen its first forecast is not ready).
             self.metrics.count(catalogue.GUARD_REJECTED, "blind")
             message = f"memtel guard: blind (--when-blind reject): {self.tracker.why_blind()}"
-            await self._answer(writer, 503, error_body(GUARD_BLIND, message, 503), keep_alive,
-                               (("Retry-After", str(RETRY_AFTER_S["blind"])),))
-            return keep_alive
+            return await self._answer(client, 503, error_body(GUARD_BLIND, message, 503),
+                                      (("Retry-After", str(RETRY_AFTER_S["blind"])),))
         if (method in ("GET", "HEAD") and (path in gets or path.startswith(MODEL_PATH_PREFIX))) or \
                 (method == "POST" and path in PASS_THROUGH["POST"]):
             self.metrics.count(catalogue.GUARD_PASSED_THROUGH)
-            return await self._forward(request, body, writer, keep_alive, started, None)
+            return await self._forward(request, body, client, started, None)
         known = ", ".join([*GUARDED, *gets, *PASS_THROUGH["POST"]])
-        return await self._refuse_path(writer, keep_alive, 404,
-                                       f"{method} {path[:100]} is not forwarded by the memtel guard (it forwards "
-                                       f"{known})")
+        return await self._refuse_path(client, 404, f"{method} {path[:100]} is not forwarded by the memtel guard "
+                                                    f"(it forwards {known})")
 
-    async def _refuse_path(self, writer: asyncio.StreamWriter, keep_alive: bool, status: int, message: str) -> bool:
+    async def _refuse_path(self, client: ServerSide, status: int, message: str) -> None:
         self.metrics.count(catalogue.GUARD_REJECTED, "not_forwarded")
-        await self._answer(writer, status, error_body(GUARD_NOT_FORWARDED, message, status), keep_alive)
-        return keep_alive
+        await self._answer(client, status, error_body(GUARD_NOT_FORWARDED, message, status))
 
-    async def _guarded(self, request: Message, path: str, raw: bytes, writer: asyncio.StreamWriter,
-                       keep_alive: bool, started: float) -> bool:
+    async def _guarded(self, request: Request, path: str, raw: bytes, client: ServerSide, started: float) -> None:
         try:
             if len(raw) > INLINE_PARSE_BYTES:  # a long prompt takes tens of ms to parse: not on the event loop
                 size = await asyncio.to_thread(_measure_all, path, raw)
             else:
                 size = measure(path, parse_body(raw))
-        except PromptError as exc:
+        except _BODY_ERRORS as exc:
             self.metrics.count(catalogue.GUARD_REJECTED, "bad_request")
-            await self._answer(writer, 400, error_body(GUARD_BAD_REQUEST, str(exc), 400), keep_alive)
-            return keep_alive
+            await self._answer(client, 400, error_body(GUARD_BAD_REQUEST, _body_error(exc), 400))
+            return
         try:
             held, counted_by = await self._admit(request, size)
         except _Refusal as refusal:
             self.metrics.observe_added(time.perf_counter() - started)
-            extra = (("Retry-After", str(refusal.retry_after)),) if refusal.retry_after is not None else ()
-            await self._answer(writer, refusal.status, refusal.body, keep_alive, extra)
-            return keep_alive
+            await self._answer(client, refusal.status, refusal.body, refusal.headers)
+            return
         self.metrics.count(catalogue.GUARD_ADMITTED, path, counted_by)
         released = False
 
@@ -333,30 +347,16 @@ class GuardProxy:
                 self.tracker.release(held)
 
         try:
-            return await self._forward(request, raw, writer, keep_alive, started, release)
+            await self._forward(request, raw, client, started, release)
         finally:
             release()
 
-    async def _admit(self, request: Message, size: PromptSize) -> tuple[int, str]:
-        """(tokens held while the prefill runs, how they were counted); _Refusal to refuse."""
-        limit = self.tracker.limit()
-        if limit is None:
-            return self._blind()
-        if size.most_tokens <= limit.tokens:
-            self.tracker.hold(size.most_tokens)
-            return size.most_tokens, "token_ids" if size.exact else "byte_bound"
-        if size.exact or size.least_tokens > limit.tokens:
-            counted_by = "token_ids" if size.exact else "words"
-            tokens = size.most_tokens if size.exact else size.least_tokens
-            self._refuse(tokens, counted_by, limit)
-        tokens = await self._tokenize(request, size)
-        limit = self.tracker.limit()  # the hooks and the holds may have changed while the upstream counted
-        if limit is None:
-            return self._blind()
-        if tokens > limit.tokens:
-            self._refuse(tokens, "tokenize", limit)
-        self.tracker.hold(tokens)
-        return tokens, "tokenize"
+    async def _admit(self, request: Request, size: PromptSize) -> tuple[int, str]:
+        """(tokens held while the prefill runs, how they were counted); _Refusal to refuse (admission.py)."""
+        auth = [(k, v) for k, v in request.headers if k.lower() in ("authorization", "x-api-key")]
+        return await admit(size, self.tracker, self.context, tokenize=lambda: self._tokenize(request, size),
+                           fetch_models=lambda: self._exchange("GET", MODELS_PATH, auth, b""), blind=self._blind,
+                           rejected=lambda reason: self.metrics.count(catalogue.GUARD_REJECTED, reason))
 
     def _blind(self) -> tuple[int, str]:
         if self.when_blind == "admit":
@@ -370,28 +370,7 @@ class GuardProxy:
                                                                                   self.tracker.hooks]),
                        RETRY_AFTER_S["blind"])
 
-    def _refuse(self, tokens: int, counted_by: str, limit: Limit) -> None:
-        fit = limit.fit
-        reason = "would_not_fit" if tokens > limit.rank_tokens else "in_prefill"
-        self.metrics.count(catalogue.GUARD_REJECTED, reason)
-        forecast = fit.forecast_for(tokens)
-        at_least = "at least " if counted_by == "words" else ""
-        why = (f"it would not fit: rank {fit.rank} on node {fit.node} can take a prefill of at most "
-               f"{limit.rank_tokens:,} tokens now" if reason == "would_not_fit" else
-               f"it fits rank {fit.rank} on node {fit.node} ({limit.rank_tokens:,} tokens) alone, but not beside the "
-               f"{limit.in_prefill_tokens:,} tokens of admitted requests still in their prefill")
-        message = f"memtel guard: the prompt has {at_least}{tokens:,} tokens and {why}"
-        fields = {
-            "reason": reason, "prompt_tokens": tokens, "prompt_tokens_counted_by": counted_by,
-            "limit_tokens": limit.tokens, "max_prefill_tokens": limit.rank_tokens,
-            "in_prefill_tokens": limit.in_prefill_tokens, "node": fit.node, "rank": fit.rank, "hook": limit.hook,
-            "fit_budget_bytes": _int_or_none(fit.budget_bytes),
-            "forecast_tokens": forecast[0] if forecast else None,
-            "forecast_bytes": _int_or_none(forecast[1]) if forecast else None,
-        }
-        raise _Refusal(503, error_body(GUARD_WOULD_NOT_FIT, message, 503, **fields), RETRY_AFTER_S[reason])
-
-    async def _tokenize(self, request: Message, size: PromptSize) -> int:
+    async def _tokenize(self, request: Request, size: PromptSize) -> int:
         """The upstream's exact count; an answer other than a count is relayed to the client as a _Refusal."""
         assert size.tokenize_body is not None
         body = json.dumps(size.tokenize_body, ensure_ascii=False).encode()
@@ -400,7 +379,7 @@ class GuardProxy:
         self.metrics.count(catalogue.GUARD_TOKENIZE_CALLS)
         try:
             status, answer = await self._exchange("POST", "/tokenize", headers, body)
-        except (OSError, asyncio.TimeoutError, UpstreamClosed, HttpError) as exc:
+        except (OSError, asyncio.TimeoutError, UpstreamError, HttpError) as exc:
             self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "tokenize")
             raise _Refusal(502, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"memtel guard: the upstream could not "
                                            f"count the prompt's tokens (/tokenize): {exc}", 502), None) from None
@@ -422,130 +401,90 @@ class GuardProxy:
     async def _exchange(self, method: str, path: str, headers: list[tuple[str, str]],
                         body: bytes) -> tuple[int, bytes]:
         """One request to the upstream, its whole answer read (for /tokenize: a few MB at most)."""
-        reader, writer, reused = await self._pool.get()
+        headers = [("Host", self.upstream.host_header), *headers]
+        side, reused = await self._pool.get()
         try:
-            writer.write(build_request(method, path, headers, self.upstream.host_header, body))
-            raw = await read_head(reader, self.limits.max_head_bytes)
-            if raw is None:
-                if not reused:
-                    raise UpstreamClosed("the upstream closed the connection without an answer")
-                writer.close()
-                reader, writer, reused = await self._pool.get()
-                writer.write(build_request(method, path, headers, self.upstream.host_header, body))
-                raw = await read_head(reader, self.limits.max_head_bytes)
-                if raw is None:
-                    raise UpstreamClosed("the upstream closed the connection without an answer")
-            response = parse_head(raw, request=False)
-            sink = _Sink(self.limits.max_body_bytes, "chunked" in response.tokens("transfer-encoding"))
-            reusable = await BodyRelay(reader, sink).relay(response, False)  # type: ignore[arg-type]
+            side, response = await self._send(side, reused, method, path, headers, body)
+            answer = await side.read_all(self.limits.max_body_bytes)
         except BaseException:
-            writer.close()
+            side.channel.close()
             raise
-        if reusable and "close" not in response.tokens("connection"):
-            self._pool.put(reader, writer)
-        else:
-            writer.close()
-        return int(response.start[1]), sink.data()
+        self._pool.put(side)
+        return response.status, answer
 
-    async def _forward(self, request: Message, body: bytes, writer: asyncio.StreamWriter, keep_alive: bool,
-                       started: float, first_byte: Callable[[], None] | None) -> bool:
-        method, target = request.start[0], request.start[1]
-        data = build_request(method, target, request.headers, self.upstream.host_header, body)
-        up_reader, up_writer, reused = await self._connect_or_answer(writer, keep_alive)
-        if up_reader is None or up_writer is None:
-            return keep_alive
+    async def _send(self, side: ClientSide, reused: bool, method: str, target: str, headers: list[tuple[str, str]],
+                    body: bytes) -> tuple[ClientSide, Response]:
+        """Send the request and read the answer's head; on a kept-alive connection the upstream had closed,
+        once more on a fresh one. (the connection used, the response head)"""
         try:
-            up_writer.write(data)
-            self.metrics.observe_added(time.perf_counter() - started)
-            try:
-                raw = await read_head(up_reader, self.limits.max_head_bytes)
-            except ConnectionError:
-                if not reused:
-                    raise
-                raw = None
-            if raw is None and reused:  # a kept-alive connection the upstream had closed: once more, fresh
-                up_writer.close()
-                up_reader, up_writer, _ = await self._pool.get()
-                up_writer.write(data)
-                raw = await read_head(up_reader, self.limits.max_head_bytes)
-            if raw is None:
-                raise UpstreamClosed("the upstream closed the connection without an answer")
-            response = parse_head(raw, request=False)
-            while 100 <= int(response.start[1]) < 200:  # interim answers are the upstream's and the guard's
-                raw = await read_head(up_reader, self.limits.max_head_bytes)
-                if raw is None:
-                    raise UpstreamClosed("the upstream closed the connection without an answer")
-                response = parse_head(raw, request=False)
-        except (OSError, asyncio.TimeoutError, UpstreamClosed, HttpError, asyncio.IncompleteReadError) as exc:
-            up_writer.close()
-            self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "request")
-            await self._answer(writer, 502, error_body(GUARD_UPSTREAM_UNAVAILABLE,
-                                                       f"memtel guard: the upstream {self.upstream.url} did not "
-                                                       f"answer: {type(exc).__name__}: {exc}", 502), False)
-            return False
-        framed = "chunked" in response.tokens("transfer-encoding") or content_length(response, request=False) \
-            is not None or method == "HEAD" or int(response.start[1]) in (204, 304)
-        client_keep = keep_alive and framed
-        relay = BodyRelay(up_reader, writer, first_byte)
+            await side.send_request(method, target, headers, body, self.limits.send_timeout_s)
+            return side, await side.response()
+        except (UpstreamClosed, ConnectionError):
+            side.channel.close()
+            if not reused:
+                raise
+        side = await self._pool.connect()
         try:
-            writer.write(relayed_head(response, keep_alive=client_keep))
-            reusable = await relay.relay(response, method == "HEAD")
-        except (OSError, asyncio.IncompleteReadError, UpstreamClosed, HttpError, ConnectionError,
-                asyncio.LimitOverrunError):
-            # Mid-body: the head is out, so the client learns of it by the connection closing. Closing the
-            # upstream's connection tells a streaming engine to abort the request.
-            up_writer.close()
-            if not relay.client_gone:
-                self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "body")
-            return False
-        if reusable and not relay.client_gone and "close" not in response.tokens("connection"):
-            self._pool.put(up_reader, up_writer)
-        else:
-            up_writer.close()
-        return client_keep and not relay.client_gone
+            await side.send_request(method, target, headers, body, self.limits.send_timeout_s)
+            return side, await side.response()
+        except BaseException:
+            side.channel.close()
+            raise
 
-    async def _connect_or_answer(self, writer: asyncio.StreamWriter, keep_alive: bool) \
-            -> tuple[asyncio.StreamReader | None, asyncio.StreamWriter | None, bool]:
+    async def _forward(self, request: Request, body: bytes, client: ServerSide, started: float,
+                       first_byte: Callable[[], None] | None) -> None:
+        """Send the request upstream re-framed, relay the answer; the upstream connection is pooled again
+        only when the whole answer was read and reached the client."""
+        headers = [("Host", self.upstream.host_header), *end_to_end(request.headers)]
         try:
-            return await self._pool.get()
+            side, reused = await self._pool.get()
         except (OSError, asyncio.TimeoutError) as exc:
             self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "connect")
             reason = getattr(exc, "strerror", None) or type(exc).__name__
-            await self._answer(writer, 502, error_body(GUARD_UPSTREAM_UNAVAILABLE,
+            await self._answer(client, 502, error_body(GUARD_UPSTREAM_UNAVAILABLE,
                                                        f"memtel guard: cannot reach the upstream {self.upstream.url}: "
-                                                       f"{reason}", 502), keep_alive)
-            return None, None, False
-
-    async def _answer(self, writer: asyncio.StreamWriter, status: int, payload: dict[str, Any], keep_alive: bool,
-                      extra: tuple[tuple[str, str], ...] = ()) -> None:
-        data = json.dumps(payload).encode() + b"\n"
+                                                       f"{reason}", 502))
+            return
+        self.metrics.observe_added(time.perf_counter() - started)
         try:
-            writer.write(build_response(status, data, _JSON, keep_alive=keep_alive, extra=extra))
-            await writer.drain()
-        except (ConnectionError, OSError):
-            pass
+            side, response = await self._send(side, reused, request.method, request.target, headers, body)
+        except (OSError, asyncio.TimeoutError, UpstreamError, HttpError) as exc:
+            side.channel.close()
+            self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "request")
+            await self._answer(client, 502, error_body(GUARD_UPSTREAM_UNAVAILABLE,
+                                                       f"memtel guard: the upstream {self.upstream.url} did not "
+                                                       f"answer: {type(exc).__name__}: {exc}", 502), close=True)
+            return
+        send_s = self.limits.send_timeout_s
+        whole = False
+        try:
+            client.start(response.status, response.reason, response.relayed_headers())
+            async for piece in side.body():
+                if first_byte is not None:
+                    first_byte()
+                    first_byte = None
+                await client.send(piece, send_s)
+            await client.end(send_s)
+            whole = True
+        except UpstreamError:
+            # Mid-body: the head is out, so the client learns of it by the connection closing.
+            self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "body")
+        except (OSError, asyncio.TimeoutError, HttpError):
+            pass  # the client went away (or took nothing for send_timeout_s): closing upstream aborts the request
+        finally:
+            if whole:
+                self._pool.put(side)
+            else:
+                side.channel.close()  # a streaming engine aborts the request when its connection closes
 
-
-class _Sink:
-    """A stand-in client writer that keeps what is written (bounded)."""
-
-    def __init__(self, limit: int, chunked: bool) -> None:
-        self._parts: list[bytes] = []
-        self._size = 0
-        self._limit = limit
-        self._chunked = chunked
-
-    def write(self, data: bytes) -> None:
-        self._size += len(data)
-        if self._size > self._limit:
-            raise HttpError(502, f"the upstream's answer is larger than {self._limit} bytes")
-        self._parts.append(data)
-
-    async def drain(self) -> None:
-        return None
-
-    def data(self) -> bytes:
-        return dechunk(b"".join(self._parts)) if self._chunked else b"".join(self._parts)
+    async def _answer(self, client: ServerSide, status: int, payload: dict[str, Any],
+                      extra: tuple[tuple[str, str], ...] = (), *, close: bool = False) -> None:
+        data = json.dumps(payload).encode() + b"\n"
+        headers = [("Content-Type", _JSON), *extra]
+        if close:
+            headers.append(("Connection", "close"))
+        with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError, HttpError):
+            await client.respond(status, headers, data, self.limits.send_timeout_s)
 
 
 def _measure_all(path: str, raw: bytes) -> PromptSize:
@@ -554,20 +493,12 @@ def _measure_all(path: str, raw: bytes) -> PromptSize:
     return size
 
 
-async def _discard(reader: asyncio.StreamReader, most: int) -> None:
-    while most > 0 and (piece := await reader.read(65536)):
-        most -= len(piece)
-
-
-def _wants_keep_alive(request: Message) -> bool:
-    tokens = request.tokens("connection")
-    if request.start[2] == "HTTP/1.1":
-        return "close" not in tokens
-    return "keep-alive" in tokens
-
-
-def _int_or_none(value: float | None) -> int | None:
-    return int(value) if value is not None and math.isfinite(value) else None
+def _body_error(exc: BaseException) -> str:
+    """One line for a body that cannot be parsed: PromptError's own, else what the parser said."""
+    if isinstance(exc, PromptError):
+        return str(exc)
+    what = str(exc).splitlines()[0].split("; use sys.")[0][:160] if str(exc) else type(exc).__name__
+    return f"malformed JSON in the request body: {what}; expected a JSON object"  # int()'s advice is not the client's
 
 
 __all__ = ["GUARDED", "PASS_THROUGH", "WHEN_BLIND", "GuardLimits", "GuardProxy", "Upstream", "error_body"]

@@ -11,6 +11,12 @@ tensor to several layers where they share it).
 reserved and allocated bytes, the device's used bytes where the process has a CUDA context, the process's
 resident set), so a ledger (telemetry/ledger) can put them side by side with the node's figures: docs/metrics.md,
 "Where the memory is". Everything unknown is absent, never 0. torch is never imported here.
+
+While the engine starts (from vLLM's Worker.init_device or the model-loaded signal until warm-up returns) it
+also exports what the start will still take: the engine's own budget (vLLM's requested memory,
+gpu_memory_utilization of the device) less what the process holds now. MemtelUnifiedHeadroomFalling and the
+daemon's protect action read it: a fall the starting engines explain, ending above the floor, is a start, not a
+collapse (docs/alerts.md, "Falling").
 """
 
 from __future__ import annotations
@@ -140,6 +146,32 @@ def private_pool_bytes(segments: Iterable[dict[str, Any]], exclude: set[tuple[st
     return sum(size for pool, size in by_pool.items() if pool not in excluded)
 
 
+# Signals whose return begins the engine's start as memtel reads it: vLLM's worker has its memory budget
+# (`requested_memory`) once init_device returns, before the weights load. The vLLM plugin adds them to the
+# engine-memory signals, and the hook's exporter starts then, so the start is announced from its beginning.
+START_BEGIN_SIGNALS = {"vllm": ("vllm.v1.worker.gpu_worker:Worker.init_device",
+                                "vllm.v1.worker.cpu_worker:CPUWorker.init_device")}
+# Signals whose return ends the engine's start (vLLM: graphs captured and warmed up; SGLang's ModelRunner.initialize
+# does the whole start); the other engine-memory signals (vLLM's initialize_from_config: the KV cache) are within it.
+STARTED_SIGNALS = ("compile_or_warm_up_model", "ModelRunner.initialize")
+
+
+def start_plan_bytes(worker: Any, held_bytes: int | None) -> int | None:
+    """What the engine will hold once started, as the engine budgets it: with an explicit KV cache size
+    (vLLM's kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE) what it holds now plus that; otherwise its requested
+    memory (vLLM: gpu_memory_utilization of the device, `Worker.requested_memory`; the CPU worker's
+    `requested_cpu_memory`). None where the worker shows no budget memtel knows how to read."""
+    cache_config = getattr(worker, "cache_config", None)
+    explicit = getattr(cache_config, "kv_cache_memory_bytes", None)
+    if isinstance(explicit, int) and explicit > 0:
+        return None if held_bytes is None else held_bytes + explicit
+    for name in ("requested_memory", "requested_cpu_memory"):
+        value = getattr(worker, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return int(value)
+    return None
+
+
 class EngineTracker:
     """Keeps the engine's memory as its signals report it; thread-safe, never raises into the engine."""
 
@@ -147,8 +179,20 @@ class EngineTracker:
         self._lock = threading.Lock()
         self.memory = EngineMemory()
         self._storages: set[tuple[str, int]] = set()
+        self.start_plan_bytes: int | None = None  # set when the model loaded; what the start will hold in all
+        self.starting = False  # from the model-loaded signal until a STARTED_SIGNALS one returns
 
     def model_loaded(self, worker: Any) -> None:
+        try:
+            plan = start_plan_bytes(worker, held_now())
+            with self._lock:
+                if plan is not None or not self.starting:  # an explicit KV cache size is known only now
+                    self.start_plan_bytes, self.starting = plan, plan is not None
+        except Exception as error:
+            log.debug("memtel: cannot read the engine's memory budget: %r", error)
+        self._read_weights(worker)
+
+    def _read_weights(self, worker: Any) -> None:
         try:
             model = model_of(worker)
             if model is None:
@@ -160,13 +204,25 @@ class EngineTracker:
         except Exception as error:
             log.debug("memtel: cannot read the model's weights: %r", error)
 
-    def engine_signal(self, worker: Any) -> None:
-        """The KV cache is allocated or the CUDA graphs are captured: read both again. Runs in the engine's own
-        thread, so it also binds the allocator reader to the rank's device for the scrape-time readings."""
+    def engine_signal(self, worker: Any, signal: str = "") -> None:
+        """The KV cache is allocated or the CUDA graphs are captured (`signal`: the method's qualified name): read
+        both again. Runs in the engine's own thread, so it also binds the allocator reader to the rank's device
+        for the scrape-time readings."""
         try:
             allocator.current_reader().read()
         except Exception:
             pass
+        if signal.endswith("init_device"):  # START_BEGIN_SIGNALS: the budget is known, the weights not loaded
+            try:
+                plan = start_plan_bytes(worker, None)
+            except Exception:
+                plan = None
+            with self._lock:
+                self.start_plan_bytes, self.starting = plan, plan is not None
+            return
+        if signal.endswith(STARTED_SIGNALS):
+            with self._lock:
+                self.starting = False
         try:
             tensors = kv_cache_tensors(worker)
             if tensors is not None:
@@ -176,7 +232,7 @@ class EngineTracker:
                     self.memory = replace(self.memory, kv_cache_bytes=total,
                                           device=self.memory.device or device)
             if self.memory.weights_bytes is None:
-                self.model_loaded(worker)
+                self._read_weights(worker)
             pool = self._graph_pool_bytes()
             if pool is not None:
                 with self._lock:
@@ -202,6 +258,21 @@ class ProcessNow:
     device_used_bytes: int | None     # the whole device's used bytes (every process on it)
     device_total_bytes: int | None
     resident_bytes: int | None
+
+    @property
+    def held_bytes(self) -> int | None:
+        """What counts against the engine's budget: the CUDA allocator's reserved bytes where the process has a
+        CUDA device, else its resident set (as vLLM's CPU worker counts what it consumed)."""
+        return self.reserved_bytes if self.device_total_bytes is not None else self.resident_bytes
+
+
+def held_now() -> int | None:
+    """ProcessNow.held_bytes, read in the engine's own thread (a signal's return)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        counters = allocator.current_reader().read()
+        return None if counters is None else int(counters.reserved_bytes)
+    return resident_bytes()
 
 
 def resident_bytes(statm: str = "/proc/self/statm") -> int | None:
@@ -243,8 +314,9 @@ class EngineCollector(Collector):
         reader = allocator.current_reader()
         device = getattr(reader, "bound_device", None)
         memory = self.tracker.memory
-        if device is None and memory.weights_bytes is None and memory.kv_cache_bytes is None:
-            return None
+        if device is None and memory.weights_bytes is None and memory.kv_cache_bytes is None \
+                and not self.tracker.starting and not isinstance(reader, allocator.SourceReader):
+            return None   # (an allocator source, such as the lab's simulator, is an engine telling its memory)
         counters = None
         if device is not None:   # a CUDA reader bound in the rank's own thread: ~10 us, the allocator's own lock
             try:
@@ -281,7 +353,22 @@ class EngineCollector(Collector):
                 sample = family.new()
                 sample.add_metric(labels, value)
                 yield sample
+        remaining = self.start_remaining_bytes(now)
+        if remaining is not None:
+            sample = metrics.ENGINE_START_REMAINING.new()
+            sample.add_metric(labels, remaining)
+            yield sample
+
+    def start_remaining_bytes(self, now: ProcessNow) -> int | None:
+        """While the engine starts: its start's budget less what it holds now (at least 0); else None."""
+        tracker = self.tracker
+        with tracker._lock:
+            starting, plan = tracker.starting, tracker.start_plan_bytes
+        held = now.held_bytes
+        if not starting or plan is None or held is None:
+            return None
+        return max(plan - held, 0)
 
 
-__all__ = ["EngineCollector", "EngineMemory", "EngineTracker", "ProcessNow", "kv_cache_tensors", "model_of",
-           "private_pool_bytes", "storage_bytes", "weight_tensors"]
+__all__ = ["STARTED_SIGNALS", "START_BEGIN_SIGNALS", "EngineCollector", "EngineMemory", "EngineTracker", "ProcessNow",
+           "kv_cache_tensors", "model_of", "private_pool_bytes", "start_plan_bytes", "storage_bytes", "weight_tensors"]

@@ -161,6 +161,7 @@ class HookSession:
         self.closed = False
         self.lock = threading.RLock()
         self._start_lock = threading.Lock()
+        self._unannounced: RankInfo | None = None  # started, not announced yet (start_process)
         self.patches: dict[Target, Patch] = {}
         self.pending: dict[Target, Wrapper] = {}
         self.signals: set[Target] = set()   # model-loaded and engine-memory targets: patched, not hook targets
@@ -302,22 +303,29 @@ class HookSession:
         self.close()
 
     # the process: rank, log, exporter, announcement (once, at the first record or the unresolved check)
-    def start_process(self) -> None:
+    def start_process(self, *, announce: bool = True) -> None:
+        """Start the process's telemetry once. `announce=False` (an engine's start began: its exporter must be up)
+        leaves the announcement to the next call, once the model's targets have had their chance to resolve."""
         with self._start_lock:
             state = self.state
-            if state.started or self.closed:
+            if self.closed:
                 return
-            rank = resolve_rank(start=True)
-            with state.lock:
-                state.rank = rank
-                state.started = True
-            if self.log is not None and not self.log.open(rank.rank):
-                self.recorder.log = None
-            self._start_exporter(rank)
-            if self.forecaster is not None:
-                self.forecaster.start()
-            if self.recorder.log is not None:
-                self._flush_at_exit()
+            if not state.started:
+                rank = resolve_rank(start=True)
+                with state.lock:
+                    state.rank = rank
+                    state.started = True
+                if self.log is not None and not self.log.open(rank.rank):
+                    self.recorder.log = None
+                self._start_exporter(rank)
+                if self.forecaster is not None:
+                    self.forecaster.start()
+                if self.recorder.log is not None:
+                    self._flush_at_exit()
+                self._unannounced = rank
+            if not announce or self._unannounced is None:
+                return
+            rank, self._unannounced = self._unannounced, None
             self._announce(rank)
         if self.config.unresolved_at_first_call and not self.state.unresolved_checked:
             self.check_unresolved("at this process's first hooked call")
@@ -372,8 +380,10 @@ class HookSession:
         self.check_unresolved("after the model loaded")
 
     def _engine_memory(self, signal: Target, args: tuple[Any, ...]) -> None:
-        """An engine-memory signal returned (KV cache allocated, graphs captured): `args[0]` is the worker."""
-        self.engine.engine_signal(args[0] if args else None)
+        """An engine-memory signal returned (the start began, KV cache allocated, graphs captured): `args[0]` is
+        the worker. The process starts (exporter up) here too, so a start is exported from its beginning."""
+        self.engine.engine_signal(args[0] if args else None, signal.qualname)
+        self.start_process(announce=False)
 
     def _waiting_for_model(self) -> bool:
         """A model-loaded signal is patched (its engine's worker module is imported: this process is an engine's
@@ -513,6 +523,7 @@ class HookSession:
         not re-armed (a pool worker must not start an exporter); the model-loaded signal still works."""
         self.lock = threading.RLock()
         self._start_lock = threading.Lock()
+        self._unannounced = None
         self._sigterm_installed = False
         self._timer = None
         self.state.reset_after_fork()

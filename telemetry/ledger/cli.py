@@ -1,4 +1,8 @@
-"""`memtel ledger`: where the memory is, now, for one or more nodes: per node, then per process."""
+"""`memtel ledger`: where the memory is, now, for one or more nodes: per node, then per process.
+
+Exit status (and `memtel top --once`'s): 0 when every daemon and every hook asked for answered, 1 when one
+could not be read (the report says which and why), 2 for a bad flag.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,13 @@ import argparse
 import json
 import sys
 
+from telemetry.argtypes import bounded_float
 from telemetry.errors import ConfigError
 from telemetry.ledger import scrape
 from telemetry.ledger.render import SORTS, render
-from telemetry.ledger.scrape import DEFAULT_DAEMON, take_report
+from telemetry.ledger.scrape import DEFAULT_DAEMON, LedgerReport, take_report
+
+SECONDS = bounded_float(0, 60, above_minimum=True)   # --timeout, top's --interval
 
 
 def url_list(text: str) -> list[str]:
@@ -20,14 +27,10 @@ def url_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 60:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a timeout: expected seconds from 0 to 60")
-    return value
+def could_not_read(report: LedgerReport) -> bool:
+    """A daemon or a hook that was asked for did not answer (exit 1 in `ledger` and `top --once`)."""
+    return any(n.error is not None and n.daemon_url for n in report.nodes) or any(
+        h.error is not None for n in report.nodes for h in n.hooks)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the ranks' hook exporters (default: ports 9200-9207 on each daemon's host, those "
                              "that answer)")
     parser.add_argument("--sort", choices=sorted(SORTS), default="rank", help="order of the process rows")
-    parser.add_argument("--timeout", type=positive_seconds, default=2.0, help="seconds per URL (default 2)")
+    parser.add_argument("--timeout", type=SECONDS, default=2.0,
+                        help="seconds for the whole read, every URL at once, above 0, at most 60 (default 2)")
     parser.add_argument("--json", action="store_true", help="one JSON object, for scripts")
 
 
@@ -52,6 +56,4 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print("\n".join(render(report, args.sort)))
-    unreachable = any(n.error is not None and n.daemon_url for n in report.nodes) or any(
-        h.error is not None for n in report.nodes for h in n.hooks)
-    return 1 if unreachable else 0
+    return 1 if could_not_read(report) else 0

@@ -1,22 +1,29 @@
 """The ledger as text: one block per node (its lines, headroom, kernel errors), then a row per process.
 
 Shared by `memtel ledger` and `memtel top`, so both show the same lines under the same names. Fits 80
-columns. Unknown values print as `?`, never as 0; what could not be reached says so, with the reason.
+columns. Unknown values print as `?`, never as 0; what could not be reached says so, with the reason. Every
+endpoint is untrusted: what it sent (a label, a pid, its error) is cut and its control characters escaped
+(telemetry.errors.printable) before a line is returned, so nothing it sends moves the cursor or retitles a terminal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from telemetry.errors import printable
 from telemetry.ledger.scrape import HookView, LedgerReport, NodeView
 
+NAME_CHARS = 64    # a node's name from a label, in a title
+CELL_CHARS = 12    # a rank or pid from a label, in a column
+URL_CHARS = 120    # a URL as given
 GiB = float(1 << 30)
 MiB = float(1 << 20)
 
 NODE_TITLES = {"gpu_processes": "GPU processes", "page_cache": "page cache", "other_host": "other host",
                "unexplained": "unexplained"}
 SORTS: dict[str, Callable[[HookView], tuple[int, ...]]] = {
-    "rank": lambda h: (int(h.process is None), int(h.process.rank) if h.process and h.process.rank.isdigit() else 0),
+    "rank": lambda h: (int(h.process is None), int(h.process.rank) if h.process and h.process.rank.isascii()
+                       and h.process.rank.isdigit() and len(h.process.rank) < 10 else 0),
     "reserved": lambda h: (-(h.process.reserved or 0) if h.process else 0,),
     "outside": lambda h: (-(h.process.outside or 0) if h.process else 0,),
     "rss": lambda h: (-(h.process.host_rss or 0) if h.process else 0,),
@@ -34,7 +41,8 @@ def size(value: int | None) -> str:
 
 
 def node_block(node: NodeView) -> list[str]:
-    title = f"node {node.name}" + (f" ({node.daemon_url})" if node.daemon_url else "")
+    title = f"node {printable(node.name, NAME_CHARS)}" + (f" ({printable(node.daemon_url, URL_CHARS)})"
+                                                         if node.daemon_url else "")
     if node.error is not None:
         lines = [title, f"  daemon unreachable: {node.error}" if node.daemon_url else f"  {node.error}"]
     else:
@@ -58,13 +66,14 @@ PROCESS_HEADER = (f"  {'rank':>4} {'pid':>7} {'weights':>7} {'KV':>7} {'graphs':
 
 def process_row(hook: HookView) -> str:
     if hook.error is not None:
-        return f"  hook {hook.url}: unreachable ({hook.error})"
+        return f"  hook {printable(hook.url, URL_CHARS)}: unreachable ({hook.error})"
     p = hook.process
     if p is None:
-        return f"  hook {hook.url}: no rank or engine series"
+        return f"  hook {printable(hook.url, URL_CHARS)}: no rank or engine series"
     outside = size(p.outside) + ("*" if p.outside_basis == "device_used" else "")
     fit = "?" if hook.max_prefill_tokens is None else f"{hook.max_prefill_tokens:,}"
-    return (f"  {p.rank or '?':>4} {p.pid or '?':>7} {size(p.weights):>7} {size(p.kv_cache):>7} "
+    rank, pid = printable(p.rank, CELL_CHARS) or "?", printable(p.pid, CELL_CHARS) or "?"
+    return (f"  {rank:>4} {pid:>7} {size(p.weights):>7} {size(p.kv_cache):>7} "
             f"{size(p.cuda_graph_pool):>6} {size(p.live_other):>7} {size(p.allocator_cache):>6} {outside:>8} "
             f"{size(p.host_rss):>6} {fit:>9}")
 
@@ -83,7 +92,7 @@ def render(report: LedgerReport, sort: str = "rank") -> list[str]:
         lines.append("* outside from the device's used bytes (all its processes): NVML lists no such pid")
     lines.append("live = allocated - weights - KV   cache = reserved - allocated   ? = unknown")
     lines.append("outside = the process's GPU memory - reserved   fit = longest prefill that fits")
-    return lines
+    return [printable(line) for line in lines]
 
 
 __all__ = ["SORTS", "render", "size"]

@@ -2,14 +2,18 @@
 
 A URL that does not answer is reported as unreachable with the reason, never as zeros. Hooks are placed on
 the node whose daemon has the same host in its URL (the usual deployment: both on the node's address); a hook
-with no such daemon is shown under its own `node` label.
+with no such daemon is shown under its own `node` label. A node is called by the `node` label its hooks export
+(the name the hook and the guard use), a loopback daemon without hooks by this host's name (the hook's default),
+else by its URL's host. Every endpoint is read as hostile (telemetry/ledger/fetch.py): one deadline for all of
+them, bodies bounded and whole, a value no count can have (NaN, infinite, 2**63 or more) unknown.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,7 +22,8 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from telemetry.errors import ConfigError
+from telemetry.errors import ConfigError, printable, shown
+from telemetry.ledger.fetch import FetchError, get
 from telemetry.ledger.lines import NodeLedger, ProcessLedger
 
 MAX_BODY_BYTES = 8 << 20     # a daemon's body is ~30 kB; a hook's with many sites a few hundred kB
@@ -61,11 +66,11 @@ def metrics_url(text: str) -> str:
         value = "http://" + value
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{text!r} is not a metrics URL: expected http://HOST:PORT[/metrics] or HOST:PORT")
+        raise ConfigError(f"{shown(text)} is not a metrics URL: expected http://HOST:PORT[/metrics] or HOST:PORT")
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
-        raise ConfigError(f"{text!r} has no valid port: expected a number from 1 to 65535") from None
+        raise ConfigError(f"{shown(text)} has no valid port: expected a number from 1 to 65535") from None
     path = parts.path if parts.path not in ("", "/") else "/metrics"
     return f"{parts.scheme}://{parts.netloc}{path}"
 
@@ -73,37 +78,52 @@ def metrics_url(text: str) -> str:
 def url_list(text: str) -> list[str]:
     urls = [metrics_url(part) for part in text.split(",") if part.strip()]
     if not urls:
-        raise ConfigError(f"{text!r} names no URL: expected URL[,URL...]")
+        raise ConfigError(f"{shown(text)} names no URL: expected URL[,URL...]")
     return urls
 
 
-def scrape(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Scrape:
+def parse_metrics(body: bytes) -> tuple[Sample, ...]:
+    """The samples of a text-format /metrics body; FetchError (one line) for anything else."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:   # http(s) only: metrics_url
-            body = response.read(MAX_BODY_BYTES + 1)
-        if len(body) > MAX_BODY_BYTES:
-            return Scrape(url, error=f"body over {MAX_BODY_BYTES >> 20} MiB")
         text = body.decode("utf-8")
-        samples = tuple(Sample(s.name, dict(s.labels), float(s.value))
-                        for family in text_string_to_metric_families(text) for s in family.samples)
-        return Scrape(url, samples)
-    except urllib.error.HTTPError as error:
-        return Scrape(url, error=f"HTTP {error.code}")
-    except urllib.error.URLError as error:
-        return Scrape(url, error=str(getattr(error.reason, "strerror", None) or error.reason))
-    except (OSError, ValueError, UnicodeDecodeError) as error:
-        return Scrape(url, error=str(error) or type(error).__name__)
+    except UnicodeDecodeError:
+        raise FetchError("body is not UTF-8 text: not a /metrics answer") from None
+    if text and not text.endswith("\n"):   # the format ends every line, the last one too: this one was cut
+        raise FetchError("body cut short (its last line has no end): not a whole /metrics answer")
+    try:
+        return tuple(Sample(s.name, dict(s.labels), float(s.value))
+                     for family in text_string_to_metric_families(text) for s in family.samples)
+    except (ValueError, TypeError, IndexError, KeyError) as error:   # the parser's ways of saying "not metrics"
+        raise FetchError(f"not the metrics text format ({printable(' '.join(str(error).split()), 80)})") from None
+
+
+def scrape(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, deadline: float | None = None) -> Scrape:
+    """Read one /metrics URL (http(s) only: metrics_url) whole before `deadline` (time.monotonic(); default
+    `timeout_s` from now); an endpoint that cannot be read, or answers anything but a whole /metrics body, is a
+    Scrape with the reason."""
+    end = time.monotonic() + timeout_s if deadline is None else deadline
+    try:
+        return Scrape(url, parse_metrics(get(url, end, MAX_BODY_BYTES)))
+    except FetchError as error:
+        return Scrape(url, error=str(error))
 
 
 def scrape_all(urls: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Scrape]:
+    """Every URL at once, all within one deadline `timeout_s` from now."""
     if not urls:
         return []
+    deadline = time.monotonic() + timeout_s
     with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
-        return list(pool.map(lambda u: scrape(u, timeout_s), urls))
+        return list(pool.map(lambda u: scrape(u, deadline=deadline), urls))
+
+
+MAX_SHOWN_VALUE = 2**63   # no memory figure or count is larger: a larger (or infinite, NaN) value is unknown
 
 
 def _int(value: float | None) -> int | None:
-    return None if value is None else int(value)
+    if value is None or not math.isfinite(value) or abs(value) >= MAX_SHOWN_VALUE:
+        return None
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -161,7 +181,8 @@ def node_view(name: str, scrape_: Scrape) -> NodeView:
     view = NodeView(name, scrape_.url, error=scrape_.error)
     if scrape_.error is not None:
         return view
-    gpu_processes = [int(s.value) for s in scrape_.values("memtel_gpu_process_memory_used_bytes")]
+    shares = [_int(s.value) for s in scrape_.values("memtel_gpu_process_memory_used_bytes")]
+    gpu_processes = [v for v in shares if v is not None]
     unified_values = scrape_.values("memtel_gpu_unified_memory")
     unified = None if not unified_values else any(s.value == 1 for s in unified_values)
     view.ledger = NodeLedger.from_values(
@@ -175,9 +196,9 @@ def node_view(name: str, scrape_: Scrape) -> NodeView:
     view.contiguous_free = _int(scrape_.first("memtel_node_mem_free_contiguous_bytes"))
     view.mem_available = _int(scrape_.first("memtel_node_mem_available_bytes"))
     for short, name_ in KERNEL_ERRORS.items():
-        value = scrape_.total(name_)
+        value = _int(scrape_.total(name_))
         if value is not None:
-            view.kernel_errors[short] = int(value)
+            view.kernel_errors[short] = value
     return view
 
 
@@ -193,12 +214,13 @@ def hook_view(scrape_: Scrape, daemon: Scrape | None) -> HookView:
 
     def value(name: str) -> int | None:
         sample = engine.get(name)
-        return None if sample is None else int(sample.value)
+        return None if sample is None else _int(sample.value)
 
     nvml = None
     if daemon is not None and daemon.error is None and pid:
         found = daemon.values("memtel_gpu_process_memory_used_bytes", pid=pid)
-        nvml = sum(int(s.value) for s in found) if found else None
+        shares = [_int(s.value) for s in found]
+        nvml = sum(v for v in shares if v is not None) if found and None not in shares else None
     process = None
     if engine:
         process = ProcessLedger.from_values(
@@ -216,6 +238,31 @@ def hook_view(scrape_: Scrape, daemon: Scrape | None) -> HookView:
     return HookView(scrape_.url, node_label, process, calls=_int(scrape_.total("memtel_hook_calls_total")),
                     growth_events=_int(scrape_.total("memtel_hook_growth_events_total")),
                     max_prefill_tokens=_int(max_fit))
+
+
+def _loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _name_by_hooks(nodes: list[NodeView], daemon_urls: Sequence[str]) -> None:
+    """Call each daemon's node what its hooks call it (their one `node` label), a loopback daemon without hooks
+    this host's name (the hook's default label), unless two nodes would then share a name."""
+    names: list[str] = []
+    for node, url in zip(nodes, daemon_urls, strict=True):
+        labels = {h.node_label for h in node.hooks if h.node_label}
+        if len(labels) == 1:
+            names.append(labels.pop())
+        elif not node.hooks and _loopback(url):
+            names.append(socket.gethostname())
+        else:
+            names.append(node.name)
+    for node, name in zip(nodes, names, strict=True):
+        if names.count(name) == 1:
+            node.name = name
 
 
 def default_hook_urls(hosts: Iterable[str]) -> list[str]:
@@ -250,6 +297,7 @@ def take_report(daemon_urls: Sequence[str], hook_urls: Sequence[str] | None, *,
         else:
             name = view.node_label or host
             orphans.setdefault(name, NodeView(name, None, error="no daemon given for this node")).hooks.append(view)
+    _name_by_hooks(nodes, daemon_urls)
     nodes.extend(orphans.values())
     return LedgerReport(time.time(), nodes, unreachable_default_hooks=default_hooks and not hook_scrapes)
 

@@ -15,7 +15,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from telemetry.ledger.cli import positive_seconds, url_list
+from telemetry.errors import printable
+from telemetry.ledger.cli import SECONDS, could_not_read, url_list
 from telemetry.ledger.render import PROCESS_HEADER, SORTS, node_block, process_row, size
 from telemetry.ledger.scrape import DEFAULT_DAEMON, LedgerReport, take_report
 
@@ -97,7 +98,7 @@ def frame(report: LedgerReport, history: History, deltas: dict[str, tuple[int | 
     if history.events and room > 1:
         lines.append("events:")
         lines.extend(list(history.events)[-(room - 1):])
-    return [line[:width] for line in lines[:height]]
+    return [printable(line)[:width] for line in lines[:height]]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +109,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"the nodes' memtel daemons (default {DEFAULT_DAEMON})")
     parser.add_argument("--hooks", type=url_list, default=None, metavar="URL[,URL...]",
                         help="the ranks' hook exporters (default: ports 9200-9207 on each daemon's host)")
-    parser.add_argument("--interval", type=positive_seconds, default=1.0, help="seconds between frames (default 1)")
+    parser.add_argument("--interval", type=SECONDS, default=1.0, help="seconds between frames, above 0, at most 60 "
+                        "(default 1)")
     parser.add_argument("--sort", choices=sorted(SORTS), default="rank", help="order of the process rows")
     parser.add_argument("--once", action="store_true", help="print one frame and exit (dumb terminals, scripts)")
 
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         size_ = os.get_terminal_size(sys.stdout.fileno()) if sys.stdout.isatty() else os.terminal_size((80, 200))
         print("\n".join(frame(report, history, deltas, sort=args.sort, paused=False, width=size_.columns,
                               height=10_000, interval=args.interval)))
-        return 0
+        return 1 if could_not_read(report) else 0
     import curses
 
     return int(curses.wrapper(_loop, args, timeout))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 WINDOW_SECONDS = 300.0
@@ -127,10 +127,21 @@ class FallingRule:
        the node free is a model or KV-cache load, not a collapse);
     2. rate: the least-squares slope of the headroom is steeper than `rate_bytes_per_second` downward;
     3. drop: the headroom fell by at least `min_drop_bytes` from the window's highest sample (a real fall in
-       bytes, not a 1-2 GiB wobble).
+       bytes, not a 1-2 GiB wobble);
+
+    unless the node's starting engines explain it (issue 29). An engine that starts exports what its start
+    will still take (memtel_engine_start_remaining_bytes, read by its hook; counted as 0 for window_seconds
+    after its start ended, so the tail of its own fall stays explained). Per engine, the headroom less what it
+    will still take, at its highest over the last `start_lag_seconds` (the hook's scrape interval: a reading
+    that lags the daemon's by one scrape is not a fall), is where the node ends once that start is done; over
+    the engines, the node ends at the sum of those less (engines - 1) × the headroom now. The fall is
+    explained when that is at least `low_floor_bytes`, MemtelUnifiedHeadroomLow's floor. A start that asks
+    for more than the node has begins below it; a collapse during a start takes it below the floor as it
+    happens (seen up to start_lag_seconds later than without a start); a node without a hook has no start.
 
     dashboards/prometheus/memtel-alerts.yml writes the same numbers as recording rules
-    (memtel:unified_headroom_falling_*); tests/alerts/test_falling_definition.py holds the two together.
+    (memtel:unified_headroom_falling_*, memtel:unified_headroom_low_threshold_bytes);
+    tests/alerts/test_falling_definition.py holds the two together.
     """
 
     window_seconds: float = 8.0
@@ -138,6 +149,8 @@ class FallingRule:
     floor_ratio: float = 0.25
     rate_bytes_per_second: float = 0.5 * 1024**3
     min_drop_bytes: float = 4 * 1024**3
+    low_floor_bytes: float = 4 * 1024**3
+    start_lag_seconds: float = 5.0
 
 
 FALLING = FallingRule()
@@ -150,12 +163,19 @@ class FallingEvidence:
     slope_bytes_per_second: float | None
     drop_bytes: float
     samples: int
+    # Where the node ends once its starting engines hold what they plan (FallingRule); None: no engine started
+    # within the window.
+    after_starts_bytes: float | None = None
+
+    def explained_by_starts(self, rule: FallingRule = FALLING) -> bool:
+        return self.after_starts_bytes is not None and self.after_starts_bytes >= rule.low_floor_bytes
 
     def is_falling(self, rule: FallingRule = FALLING) -> bool:
         return (self.samples >= rule.min_samples and self.slope_bytes_per_second is not None
                 and self.headroom_bytes < rule.floor_ratio * self.mem_total_bytes
                 and self.slope_bytes_per_second < -rule.rate_bytes_per_second
-                and self.drop_bytes >= rule.min_drop_bytes)
+                and self.drop_bytes >= rule.min_drop_bytes
+                and not self.explained_by_starts(rule))
 
 
 def least_squares_slope(points: list[tuple[float, float]]) -> float | None:
@@ -171,13 +191,44 @@ def least_squares_slope(points: list[tuple[float, float]]) -> float | None:
 
 
 def falling_evidence(samples: list[tuple[float, float]], mem_total_bytes: float,
-                     rule: FallingRule = FALLING) -> FallingEvidence | None:
+                     rule: FallingRule = FALLING,
+                     start_remaining: Sequence[Mapping[str, float]] | None = None) -> FallingEvidence | None:
     """The evidence at the newest of `samples` ((time, headroom) in time order), from those within the window
-    (the newest minus window_seconds, inclusive, as a PromQL range of 2.x selects); None without samples."""
+    (the newest minus window_seconds, inclusive, as a PromQL range of 2.x selects); None without samples.
+    `start_remaining`, aligned with `samples`: per starting engine, what its start will still take at each
+    sample (empty where none was starting); give window_seconds + start_lag_seconds of history."""
     if not samples:
         return None
     now, headroom = samples[-1]
     window = [(t, v) for t, v in samples if t >= now - rule.window_seconds]
+    after_starts = None if start_remaining is None else _after_starts(samples, start_remaining, rule)
     return FallingEvidence(headroom_bytes=headroom, mem_total_bytes=mem_total_bytes,
                            slope_bytes_per_second=least_squares_slope(window),
-                           drop_bytes=max(v for _, v in window) - headroom, samples=len(window))
+                           drop_bytes=max(v for _, v in window) - headroom, samples=len(window),
+                           after_starts_bytes=after_starts)
+
+
+def _after_starts(samples: list[tuple[float, float]], start_remaining: Sequence[Mapping[str, float]],
+                  rule: FallingRule) -> float | None:
+    """Where the node ends once its starting engines are done, at the newest sample (FallingRule), as the rule
+    file records node:memtel_node_unified_headroom_after_starts_bytes; None where no engine started within the
+    window."""
+    now, headroom = samples[-1]
+    engines = {engine for remaining in start_remaining for engine in remaining}
+    ends = []
+    for engine in engines:
+        best = None
+        for i, (t, v) in enumerate(samples):
+            if t < now - rule.start_lag_seconds:
+                continue
+            remaining = start_remaining[i].get(engine)
+            if remaining is None:  # a start that ended within the window takes nothing more
+                recent = any(engine in start_remaining[j] and samples[j][0] >= t - rule.window_seconds
+                             for j in range(i))
+                if not recent:
+                    continue
+                remaining = 0.0
+            best = v - remaining if best is None else max(best, v - remaining)
+        if best is not None:
+            ends.append(best)
+    return sum(ends) - (len(ends) - 1) * headroom if ends else None

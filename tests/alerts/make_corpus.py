@@ -45,6 +45,10 @@ class Node:
     nv_err_last_seen: float | None = None
     nvml: bool = True
     window: FaultWindow = field(default_factory=lambda: FaultWindow())
+    # What each starting engine's hook says its start will still take ({"rank/pid": bytes}), as read last.
+    start_remaining: dict[str, float] = field(default_factory=dict)
+    # Series of the serving engine (vLLM's /metrics, the hook's call counts), recorded as they are.
+    serving: dict[str, float] = field(default_factory=dict)
 
     def record(self, now: float) -> dict:
         self.window.clock = lambda: now
@@ -75,6 +79,10 @@ class Node:
             values["memtel_kernel_nv_err_no_memory_last_seen_timestamp_seconds"] = self.nv_err_last_seen
         for name in COLLECTORS:
             values[f'memtel_collector_success{{collector="{name}"}}'] = 1
+        values.update(self.serving)
+        for engine, remaining in sorted(self.start_remaining.items()):
+            rank, pid = engine.split("/")
+            values[f'memtel_engine_start_remaining_bytes{{pid="{pid}",rank="{rank}"}}'] = int(remaining)
         return {"time": now, "values": values}
 
 
@@ -245,6 +253,215 @@ def no_nvidia_driver() -> Iterator[dict]:
     return timeline(header, Node(24 * GIB, 20 * GIB, 12 * GIB, nvml=False), 1200, step, seed=9)
 
 
+# -- engine starts (issue 29) ----------------------------------------------------------------------------------
+SPARK_TOTAL = 120 * GIB
+SPARK_BASE = 116 * GIB  # what an idle Spark-sized node has available (the OS and desktop hold the rest)
+
+
+@dataclass
+class EngineStart:
+    """One vLLM engine starting on a unified-memory node, by the second: init_device returns at `begin` (its
+    budget, `util` of the node, known: the hook says what the start will still take from then on, read every
+    `read_every` s as the memtel-hook job scrapes); the weights load at `weights_rate`; a profile run takes
+    `profile` over 2 s; the KV cache takes the rest of the budget but the graphs at `kv_rate`; graph capture
+    takes `graphs` over `capture_s`; then warm-up returns and the series goes away. Optionally it crashes at
+    `crash` (what it held returns to the node within 2 s)."""
+
+    begin: int
+    util: float
+    weights: float
+    pid: int
+    weights_rate: float = 2 * GIB
+    profile: float = 4 * GIB
+    kv_rate: float = 8 * GIB
+    graphs: float = 1 * GIB
+    capture_s: int = 20
+    read_every: int = 5
+    crash: int | None = None
+    hook: bool = True
+    read: float = 0.0
+
+    @property
+    def budget(self) -> float:
+        return self.util * SPARK_TOTAL
+
+    def phases(self) -> tuple[int, int, int, int]:
+        """When the weights are loaded, the profile run is done, the KV cache is allocated, warm-up returns."""
+        loaded = self.begin + math.ceil(self.weights / self.weights_rate)
+        profiled = loaded + 2
+        kv = self.budget - self.weights - self.profile - self.graphs
+        allocated = profiled + math.ceil(kv / self.kv_rate)
+        return loaded, profiled, allocated, allocated + self.capture_s
+
+    def held(self, s: int) -> float:
+        if s < self.begin:
+            return 0.0
+        loaded, profiled, allocated, _ = self.phases()
+        held = min(self.weights, self.weights_rate * (s - self.begin))
+        held += self.profile * min(max(s - loaded, 0) / 2, 1)
+        held += min(self.budget - self.weights - self.profile - self.graphs, self.kv_rate * max(s - profiled, 0))
+        held += self.graphs * min(max(s - allocated, 0) / self.capture_s, 1)
+        if self.crash is not None and s >= self.crash:
+            held *= max(1 - (s - self.crash + 1) / 2, 0)
+        return held
+
+    def step(self, node: Node, s: int) -> None:
+        key = f"0/{self.pid}"
+        _, _, _, ready = self.phases()
+        if not self.hook or not self.begin <= s < ready or (self.crash is not None and s >= self.crash):
+            node.start_remaining.pop(key, None)
+            return
+        if (s - self.begin) % self.read_every == 0:
+            self.read = max(self.budget - self.held(s), 0.0)
+        node.start_remaining[key] = self.read
+
+
+def starts(engines: list[EngineStart], base: float = SPARK_BASE) -> Step:
+    """A Spark-sized node with `base` available before `engines` start; the headroom is what they leave."""
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        for engine in engines:
+            engine.step(node, s)
+        node.mem_available = base - sum(e.held(s) for e in engines) + rng.uniform(-64, 64) * MIB
+        node.free_contiguous = node.mem_available - 2 * GIB
+        _huge_faults(node, rng.randint(0, 4), 0.98, rng)
+
+    return step
+
+
+def spark_start(util: float) -> Callable[[], Iterator[dict]]:
+    def make() -> Iterator[dict]:
+        engine = EngineStart(begin=30, util=util, weights=30 * GIB, pid=4100)
+        end = SPARK_BASE - engine.budget
+        header = {"outcome": "benign", "node": f"spark-start-{round(util * 100)}",
+                  "description": f"vLLM starting on a 120 GiB node at gpu_memory_utilization {util}: 30 GiB of "
+                                 f"weights, a profile run, the KV cache in seconds, graph capture; the headroom "
+                                 f"settles at {end / GIB:.0f} GiB. The hook announces the start."}
+        return timeline(header, Node(SPARK_TOTAL, SPARK_BASE, SPARK_BASE - 2 * GIB), 150, starts([engine]),
+                        seed=10 + round(util * 100))
+    return make
+
+
+def restart_loop() -> Iterator[dict]:
+    """An engine at 0.85 that crashes a minute after each start and is restarted (systemd's Restart=), 3 times."""
+    engines = [EngineStart(begin=20, util=0.85, weights=30 * GIB, pid=4200, crash=150),
+               EngineStart(begin=165, util=0.85, weights=30 * GIB, pid=4201, crash=295),
+               EngineStart(begin=310, util=0.85, weights=30 * GIB, pid=4202)]
+    header = {"outcome": "benign", "node": "spark-restarts",
+              "description": "A restart loop: vLLM at gpu_memory_utilization 0.85 starts, crashes 2 minutes later "
+                             "(its memory returns), and is restarted, three starts in 7 minutes."}
+    return timeline(header, Node(SPARK_TOTAL, SPARK_BASE, SPARK_BASE - 2 * GIB), 420, starts(engines), seed=20)
+
+
+def two_engines_starting() -> Iterator[dict]:
+    """Two engines at 0.4 each started together on one node (two models behind one router)."""
+    engines = [EngineStart(begin=30, util=0.4, weights=15 * GIB, pid=4300),
+               EngineStart(begin=32, util=0.4, weights=15 * GIB, pid=4301, read_every=5)]
+    header = {"outcome": "benign", "node": "spark-two",
+              "description": "Two engines at gpu_memory_utilization 0.4 each start together; their KV caches "
+                             "overlap; the headroom settles at 20 GiB."}
+    return timeline(header, Node(SPARK_TOTAL, SPARK_BASE, SPARK_BASE - 2 * GIB), 150, starts(engines), seed=21)
+
+
+def start_on_a_low_node() -> Iterator[dict]:
+    """A node already low (another engine serves: 34 GiB left) where a small engine at 0.2 starts."""
+    engine = EngineStart(begin=30, util=0.2, weights=8 * GIB, pid=4400)
+    header = {"outcome": "benign", "node": "spark-low",
+              "description": "A second, small engine (gpu_memory_utilization 0.2, 8 GiB of weights) starts on a "
+                             "node that has 34 GiB left; the headroom settles at 10 GiB."}
+    return timeline(header, Node(SPARK_TOTAL, 34 * GIB, 32 * GIB), 150, starts([engine], base=34 * GIB), seed=22)
+
+
+def start_asks_too_much() -> Iterator[dict]:
+    """An engine at 0.85 started on a node where another engine already holds 56 GiB: its KV cache takes the
+    node to nothing (the host wedges)."""
+    engine = EngineStart(begin=30, util=0.85, weights=24 * GIB, pid=4500, kv_rate=4 * GIB)
+    _, profiled, _, _ = engine.phases()
+    base = 60 * GIB
+    wedge = profiled + math.ceil((base - engine.weights - engine.profile) / engine.kv_rate) + 2
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        starts([engine], base=base)(node, s, rng)
+        node.mem_available = max(node.mem_available, 256 * MIB)
+        node.free_contiguous = max(node.mem_available - 2 * GIB, 64 * MIB)
+
+    header = {"outcome": "failure", "failure_at": START + wedge, "onset_at": START + profiled,
+              "node": "spark-too-much",
+              "description": "vLLM at gpu_memory_utilization 0.85 (a 102 GiB budget) starts on a node with 60 GiB "
+                             "available: its KV cache allocation takes the node to nothing and the host wedges.",
+              "expect": [{"alert": "MemtelUnifiedHeadroomFalling", "within_s": 5}]}
+    return timeline(header, Node(SPARK_TOTAL, base, base - 2 * GIB), wedge, step, seed=23)
+
+
+def collapse_during_start() -> Iterator[dict]:
+    """The 0.85 start; while its graphs are captured (KV cache allocated, still starting) another process takes
+    the reported collapse's share: 14 GiB to 2 GiB at 3 GiB/s; the host wedges 20 s later."""
+    engine = EngineStart(begin=30, util=0.85, weights=30 * GIB, pid=4600, capture_s=60)
+    _, _, allocated, _ = engine.phases()
+    onset = allocated + 10
+    started = starts([engine])
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        started(node, s, rng)
+        node.mem_available = max(node.mem_available - 3 * GIB * max(s - onset, 0), 2 * GIB)
+        node.free_contiguous = node.mem_available - 1 * GIB
+
+    header = {"outcome": "failure", "failure_at": START + onset + 20, "onset_at": START + onset,
+              "node": "spark-collapse-start",
+              "description": "A collapse while an engine starts: its KV cache is allocated (14 GiB left, as "
+                             "planned) and graphs are being captured when another process takes 12 GiB in 4 s.",
+              "expect": [{"alert": "MemtelUnifiedHeadroomFalling", "within_s": 10}]}
+    return timeline(header, Node(SPARK_TOTAL, SPARK_BASE, SPARK_BASE - 2 * GIB), onset + 20, step, seed=24)
+
+
+# -- the serving engine (issue 29) ----------------------------------------------------------------------------
+RUNNING, GENERATED, PROMPT = "vllm:num_requests_running", "vllm:generation_tokens_total", "vllm:prompt_tokens_total"
+STEPS, CALLS = "vllm:iteration_tokens_total_count", 'memtel_hook_calls_total{rank="0",site="attn"}'
+
+
+def engine_hang() -> Iterator[dict]:
+    """Two requests decoding, then the engine hangs (its API and /health still answer): nothing moves; the
+    clients give up 5.5 minutes later."""
+    onset = 60
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        node.mem_available = 60 * GIB + rng.uniform(-0.2, 0.2) * GIB
+        node.free_contiguous = 50 * GIB
+        moving = s < onset
+        serving = node.serving
+        serving[RUNNING] = 2
+        serving[GENERATED] = serving.get(GENERATED, 0) + 40 * moving
+        serving[PROMPT] = serving.get(PROMPT, 0) + 100 * (moving and s % 20 == 0)
+        serving[STEPS] = serving.get(STEPS, 0) + 20 * moving
+        serving[CALLS] = serving.get(CALLS, 0) + 80 * moving
+
+    header = {"outcome": "failure", "failure_at": START + onset + 330, "onset_at": START + onset, "node": "spark-hang",
+              "description": "A hung engine: two requests running, no token, step or hooked call from t=60 s while "
+                             "its API still answers; the clients time out 5.5 minutes later.",
+              "expect": [{"alert": "MemtelEngineStalled", "within_s": 300}]}
+    return timeline(header, Node(SPARK_TOTAL, 60 * GIB, 50 * GIB), onset + 340, step, seed=30)
+
+
+def slow_long_prefill() -> Iterator[dict]:
+    """One 1M-token prompt in prefill for 8 minutes: no token out; vLLM steps once a minute (a chunk against a
+    long context) and counts its prompt tokens at the end; the hook's attention calls run all along."""
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        node.mem_available = 40 * GIB - 2 * MIB * s + rng.uniform(-0.2, 0.2) * GIB
+        node.free_contiguous = node.mem_available - 4 * GIB
+        serving = node.serving
+        serving[RUNNING] = 1
+        serving[GENERATED] = 0
+        serving[PROMPT] = 0
+        serving[STEPS] = s // 60
+        serving[CALLS] = serving.get(CALLS, 0) + rng.randint(0, 3)
+
+    header = {"outcome": "benign", "node": "spark-prefill",
+              "description": "A slow 1M-token prefill: 8 minutes without a token out or a prompt token counted; an "
+                             "engine step a minute and hooked attention calls all along."}
+    return timeline(header, Node(SPARK_TOTAL, 40 * GIB, 36 * GIB), 480, step, seed=31)
+
+
 TIMELINES: dict[str, Callable[[], Iterator[dict]]] = {
     "collapse-29-to-2.5-gib-in-9s": collapse,
     "slow-leak-to-failure": slow_leak_to_failure,
@@ -255,6 +472,16 @@ TIMELINES: dict[str, Callable[[], Iterator[dict]]] = {
     "slow-leak-above-floor": slow_leak_above_floor,
     "nv-err-at-rest": nv_err_at_rest,
     "no-nvidia-driver": no_nvidia_driver,
+    "spark-start-0.70": spark_start(0.70),
+    "spark-start-0.85": spark_start(0.85),
+    "spark-start-0.90": spark_start(0.90),
+    "spark-restart-loop": restart_loop,
+    "two-engines-starting-together": two_engines_starting,
+    "start-on-a-low-node": start_on_a_low_node,
+    "start-asks-more-than-the-node-has": start_asks_too_much,
+    "collapse-during-an-engine-start": collapse_during_start,
+    "engine-hang": engine_hang,
+    "slow-1m-token-prefill": slow_long_prefill,
 }
 
 

@@ -12,14 +12,25 @@ import pytest
 
 from telemetry.alerts.timeline import load_timeline
 from telemetry.daemon.config import from_mapping
-from telemetry.daemon.protect import ActionError, Protect, ProtectConfig, read_pidfile, run_action
+from telemetry.daemon.protect import (
+    ActionError,
+    Protect,
+    ProtectConfig,
+    read_pidfile,
+    run_action,
+    start_remaining_bytes,
+)
 from telemetry.errors import ConfigError
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "alerts" / "corpus"
 HEADROOM = "memtel_node_unified_headroom_bytes"
 MEM_TOTAL = "memtel_node_mem_total_bytes"
 BENIGN = ("page-cache-churn", "large-flat-allocation", "slow-leak-above-floor", "nv-err-at-rest",
-          "model-weights-in-page-cache", "no-nvidia-driver")
+          "model-weights-in-page-cache", "no-nvidia-driver",
+          # engine starts the hook announces (issue 29): Spark-sized at 0.7, 0.85, 0.9, a restart loop, two
+          # engines together, a start on a node already low
+          "spark-start-0.70", "spark-start-0.85", "spark-start-0.90", "spark-restart-loop",
+          "two-engines-starting-together", "start-on-a-low-node")
 
 
 def replay(name: str, dry_run: bool = False) -> tuple[list, list[str], float]:
@@ -32,7 +43,7 @@ def replay(name: str, dry_run: bool = False) -> tuple[list, list[str], float]:
 
     def sample():
         values = current[0].values
-        return values[HEADROOM], values[MEM_TOTAL]
+        return values[HEADROOM], values[MEM_TOTAL], start_remaining_bytes(values)
 
     def action(config, roles):
         acted.append(config.describe_action())
@@ -57,6 +68,15 @@ def test_protect_acts_once_within_3_s_of_the_replayed_collapse():
     assert decision.decision == "acted"
     assert decision.time - onset <= 3.0, f"acted {decision.time - onset:.0f} s after the collapse began"
     assert decision.evidence.drop_bytes >= 4 * 2**30 and decision.evidence.slope_bytes_per_second < -0.5 * 2**30
+
+
+@pytest.mark.parametrize("name, within_s", [("start-asks-more-than-the-node-has", 3),
+                                             ("collapse-during-an-engine-start", 10)])
+def test_protect_acts_once_on_a_start_that_asks_too_much_or_a_collapse_during_a_start(name, within_s):
+    decisions, acted, onset = replay(name)
+    assert len(decisions) == 1 and acted == ["run /bin/true"], decisions
+    assert decisions[0].time - onset <= within_s
+    assert decisions[0].evidence.after_starts_bytes is not None and decisions[0].evidence.after_starts_bytes < 4 * 2**30
 
 
 @pytest.mark.parametrize("name", BENIGN)
@@ -172,7 +192,8 @@ def test_the_daemon_runs_protect_in_dry_run_and_exports_its_state(tmp_path):
     assert scrape.value("memtel_protect_decisions_total", decision="acted") == 0
     assert scrape.value("memtel_protect_episode_active") == 0
     assert scrape.value("memtel_collector_success", collector="protect") == 1
-    assert "protect on (dry run, will run /bin/true once per falling-headroom episode)" in log
+    assert "protect on (dry run, will run /bin/true once per falling-headroom episode; engine starts read from no " \
+           "hook exporter)" in log
 
 
 def test_a_hostile_protect_section_stops_the_daemon_before_it_starts(tmp_path):

@@ -255,6 +255,13 @@ NAIVE_RULES = [
     # Swap in pages: 16x apart between 4 KiB and 64 KiB page kernels.
     ("MemtelSwapping", "rate(memtel_node_vmstat_pswpin_total[5m]) + rate(memtel_node_vmstat_pswpout_total[5m]) "
      "> 100", "host_memory_test.yml"),
+    # Issue 29: the three conditions alone page on an engine's start that its hook announced.
+    ("MemtelUnifiedHeadroomFalling",
+     next(r["expr"] for r in ALERTS if r["alert"] == "MemtelUnifiedHeadroomFalling").split("unless on (node)")[0],
+     "headroom_test.yml"),
+    # No token out is not a stall: a long prefill makes none for minutes while its steps and hooked calls run.
+    ("MemtelEngineStalled", "max by (node) (vllm:num_requests_running) > 0 unless on (node) "
+     "(sum by (node) (increase(vllm:generation_tokens_total[3m])) > 0)", "engine_test.yml"),
 ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,8 +35,10 @@ class StubUpstream:
         self.gate: threading.Event | None = None  # set by a test: a streamed answer waits on it after its first chunk
         self.hold: threading.Event | None = None  # set by a test: a completion waits on it before answering
         self.tokens_per_word = 1  # what its /tokenize counts: words times this
+        self.max_model_len: int | None = None  # set by a test: its /v1/models says so, as vLLM's does
         self.streamed_bytes = 0  # bytes of big streams written so far
         self.connections: list = []  # every connection accepted (to close kept-alive ones under the guard)
+        self.extra_answer: bytes | None = None  # set by a test: sent after the next GET's answer (a desync)
         self.lock = threading.Lock()
         outer = self
 
@@ -57,7 +60,8 @@ class StubUpstream:
                 self.send_header("Content-Length", str(len(data)))
                 self.send_header("X-Upstream", "stub")
                 self.end_headers()
-                self.wfile.write(data)
+                extra, outer.extra_answer = outer.extra_answer, None
+                self.wfile.write(data + (extra or b""))
 
             def do_GET(self) -> None:
                 with outer.lock:
@@ -67,7 +71,10 @@ class StubUpstream:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                 elif self.path == "/v1/models":
-                    self._json(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]})
+                    card: dict[str, object] = {"id": "stub", "object": "model"}
+                    if outer.max_model_len is not None:
+                        card["max_model_len"] = outer.max_model_len
+                    self._json(200, {"object": "list", "data": [card]})
                 else:
                     self._json(404, {"error": {"message": f"no route {self.path}", "type": "NotFoundError"}})
 
@@ -89,6 +96,21 @@ class StubUpstream:
                     return
                 if outer.hold is not None:
                     outer.hold.wait(10)
+                if request.get("huge_chunk"):  # one chunk said to be 400 MiB, written 1 MiB at a time until stopped
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    self.wfile.write(b"%x\r\n" % (400 << 20))
+                    piece = b"x" * (1 << 20)
+                    try:
+                        for _ in range(request["huge_chunk"]):
+                            self.wfile.write(piece)
+                            outer.streamed_bytes += len(piece)
+                    except OSError:
+                        pass
+                    self.close_connection = True
+                    return
                 if request.get("big_chunks"):  # a long stream of 64 KiB chunks, counted as they are written
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -129,8 +151,6 @@ class StubUpstream:
 
     def close_connections(self) -> None:
         """Close every connection, as a server does with kept-alive connections it times out."""
-        import socket
-
         with self.lock:
             for conn in self.connections:
                 try:
@@ -272,4 +292,35 @@ def request(url: str, method: str, path: str, body: Any = None, *, raw: bytes | 
         conn.close()
 
 
-__all__ = ["RunningGuard", "StubHook", "StubUpstream", "exposition", "request"]
+def raw_exchange(port: int, data: bytes, answers: int = 1, timeout: float = 10.0) \
+        -> list[tuple[int, dict[str, str], bytes]]:
+    """Send raw bytes on a fresh connection, read `answers` responses: (status, headers, body) each."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        stream = sock.makefile("rb")
+        got = []
+        for _ in range(answers):
+            response = http.client.HTTPResponse(_Made(stream))  # type: ignore[arg-type]
+            response.begin()
+            got.append((response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()))
+        return got
+
+
+class _Made:
+    """A socket whose makefile() is one shared stream that a response cannot close, so pipelined answers are
+    read in turn."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def makefile(self, *_args: Any) -> Any:
+        return self
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+__all__ = ["RunningGuard", "StubHook", "StubUpstream", "exposition", "raw_exchange", "request"]

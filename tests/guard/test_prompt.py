@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import time
+
 import pytest
 
-from telemetry.guard.prompt import CHAT_MESSAGE_TOKENS, CHAT_TEMPLATE_TOKENS, PromptError, measure, parse_body
+from telemetry.guard.prompt import (
+    CHAT_MESSAGE_TOKENS,
+    CHAT_TEMPLATE_TOKENS,
+    SPECIAL_TOKENS_PER_PROMPT,
+    PromptError,
+    measure,
+    parse_body,
+)
+
+CHAT = "/v1/chat/completions"
+S = SPECIAL_TOKENS_PER_PROMPT
 
 
-def test_a_text_prompt_is_bounded_by_its_utf8_bytes_and_its_words():
+def _json_len(value):
+    return len(json.dumps(value, ensure_ascii=False).encode())
+
+
+def test_a_text_prompt_is_bounded_by_its_utf8_bytes_its_special_tokens_and_its_words():
     size = measure("/v1/completions", {"prompt": "héllo wörld  ok"})
-    assert (size.most_tokens, size.least_tokens, size.exact) == (17, 3, False)
-    assert size.tokenize_body == {"prompt": "héllo wörld  ok"}
+    assert (size.most_tokens, size.least_tokens, size.exact) == (17 + S, 3, False)
+    assert size.tokenize_body == {"prompt": "héllo wörld  ok"} and size.engine_only is None
 
 
 def test_token_ids_are_exact_and_need_no_tokenize():
@@ -18,30 +36,123 @@ def test_token_ids_are_exact_and_need_no_tokenize():
     assert (size.most_tokens, size.least_tokens, size.exact, size.tokenize_body) == (3, 3, True, None)
 
 
-def test_a_batch_adds_its_prompts_and_their_special_tokens():
+def test_a_batch_adds_its_prompts_and_each_prompts_special_tokens():
     size = measure("/v1/completions", {"prompt": ["a b", [1, 2, 3], "c"], "model": "m"})
-    assert (size.most_tokens, size.least_tokens) == (3 + 3 + 1, 2 + 3 + 1)
+    assert (size.most_tokens, size.least_tokens) == (3 + 3 + 1 + 2 * S, 2 + 3 + 1)
     assert size.tokenize_body == {"prompt": "a b\nc", "model": "m"}
-    assert size.counted_tokens == 3 + 2  # the ids, and begin/end tokens of the second text prompt
+    assert size.counted_tokens == 3 + S + 1  # the ids; the second text prompt's specials and a possible merge
 
 
-def test_chat_adds_the_template_allowance_and_what_else_a_template_renders():
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "hi there"}]}]
-    size = measure("/v1/chat/completions", {"messages": messages, "tools": [{"name": "f"}]})
-    rest = len('{"role": "system"}') + len('{"role": "user"}')
-    assert size.most_tokens == CHAT_TEMPLATE_TOKENS + 2 * CHAT_MESSAGE_TOKENS + 8 + 8 + rest + len('[{"name": "f"}]')
-    assert size.least_tokens == 4
-    assert size.tokenize_body is not None and size.tokenize_body["messages"] == messages
+def test_a_batch_of_two_million_empty_prompts_is_not_bounded_at_zero():
+    """The review's `[""] * 2,000,000` was bounded at 0 tokens: each prompt prefills at least one token."""
+    started = time.perf_counter()
+    size = measure("/v1/completions", {"prompt": [""] * 2_000_000})
+    assert size.least_tokens == 2_000_000 and size.most_tokens == 2_000_000 * S
+    assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "refusal", "refusal": "no " * 50},
+    {"type": "input_text", "text": "no " * 50},
+    {"type": "thinking", "thinking": "no " * 50},
+])
+def test_every_text_content_part_counts(part):
+    """A `refusal` part was admitted uncounted (the review): every text-bearing part counts, with its fields."""
+    size = measure(CHAT, {"messages": [{"role": "assistant", "content": [part]}]})
+    rest = _json_len({"role": "assistant"})
+    assert size.most_tokens == CHAT_TEMPLATE_TOKENS + CHAT_MESSAGE_TOKENS + _json_len(part) + 1 + rest
+    assert size.least_tokens == 50 and size.engine_only is None
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    {"type": "prompt_embeds", "data": "AAAA"},
+    {"type": "something_new", "text": "x"},
+    {"image_url": {"url": "https://example.com/a.png"}},  # no type: vLLM reads it as an image
+])
+def test_parts_that_bytes_cannot_bound_are_counted_by_the_engine(part):
+    size = measure(CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]})
+    assert size.engine_only is not None and "messages[0].content[1]" in size.engine_only
+    assert size.tokenize_body is not None and size.tokenize_body["messages"][0]["content"][1] == part
+
+
+def test_chat_counts_everything_a_template_may_render():
+    tools = [{"type": "function", "function": {"name": "f", "description": "d " * 30}}]
+    documents = [{"title": "t", "text": "doc " * 40}]
+    kwargs = {"enable_thinking": True, "system_hint": "be brief " * 10}
+    body = {"messages": [{"role": "user", "content": "hi", "name": "ann"}], "tools": tools, "documents": documents,
+            "chat_template_kwargs": kwargs, "tool_choice": "auto", "temperature": 0.5, "max_tokens": 9}
+    size = measure(CHAT, body)
+    rendered = _json_len(tools) + _json_len(documents) + _json_len(kwargs) + _json_len("auto")
+    assert size.most_tokens == (CHAT_TEMPLATE_TOKENS + CHAT_MESSAGE_TOKENS + 2
+                                + _json_len({"role": "user", "name": "ann"}) + rendered)
+    assert size.engine_only is None
+    # /tokenize gets the same template inputs (vLLM passes `documents` to the template as a keyword argument),
+    # and what its /tokenize does not take (tool_choice) is counted here on top of its count.
+    assert size.tokenize_body == {"messages": body["messages"], "add_generation_prompt": True, "tools": tools,
+                                  "chat_template_kwargs": {**kwargs, "documents": documents}}
+    assert size.counted_tokens == _json_len("auto")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("chat_template", "{% for m in messages %}{{ m.content * 1000 }}{% endfor %}"),
+    ("mm_processor_kwargs", {"num_crops": 16}),
+    ("a_field_nobody_knows", "x"),
+])
+def test_fields_bytes_cannot_bound_send_chat_to_the_engine(field, value):
+    size = measure(CHAT, {"messages": [{"role": "user", "content": "hi"}], field: value})
+    assert size.engine_only is not None and field in size.engine_only
+    assert size.tokenize_body is not None and size.tokenize_body[field] == value
+
+
+def test_an_unknown_completion_field_sends_it_to_the_engine_with_the_field():
+    size = measure("/v1/completions", {"prompt": "hi", "rag_context": "lots of text"})
+    assert size.engine_only is not None and "rag_context" in size.engine_only
+    assert size.tokenize_body == {"prompt": "hi", "rag_context": "lots of text"}
+    assert not size.fits_by_bound(10**9)
+
+
+def test_continue_final_message_tokenizes_without_a_generation_prompt():
+    size = measure(CHAT, {"messages": [{"role": "assistant", "content": "Once"}], "continue_final_message": True})
+    assert size.tokenize_body is not None
+    assert (size.tokenize_body["add_generation_prompt"], size.tokenize_body["continue_final_message"]) == (False, True)
+
+
+def test_prompt_embeds_are_bounded_by_their_bytes_and_cannot_be_counted_by_tokenize():
+    embeds = base64.b64encode(b"\0" * 3000).decode()
+    size = measure("/v1/completions", {"prompt": "hello", "prompt_embeds": embeds})
+    assert size.most_tokens == 5 + S + 3000 and size.least_tokens == 1 + 1
+    assert (size.countable, size.tokenize_body) == (False, None)
+    alone = measure("/v1/completions", {"prompt_embeds": [embeds, embeds]})
+    assert (alone.most_tokens, alone.least_tokens, alone.param) == (6000, 2, "prompt_embeds")
+    with pytest.raises(PromptError, match="prompt_embeds"):
+        measure("/v1/completions", {"prompt_embeds": "not base64!"})
+
+
+def test_a_fill_in_the_middle_suffix_counts():
+    size = measure("/v1/completions", {"prompt": "def f(", "suffix": "    return x\n"})
+    assert size.most_tokens == 6 + S + 13 + S and size.counted_tokens == 13 + S
+
+
+def test_one_word_and_many_spaces_is_counted_before_it_holds_its_bytes():
+    """One word and 399,999 spaces held 400,000 tokens for its whole prefill (the review)."""
+    padded = measure("/v1/completions", {"prompt": "word" + " " * 399_999})
+    assert padded.fits_by_bound(401_244) and padded.count_to_hold(401_244)
+    assert not padded.count_to_hold(10_000_000)  # a small share of a big rank: holding the bound is cheap
+    prose = measure("/v1/completions", {"prompt": "word " * 100})
+    assert not prose.count_to_hold(1000)  # 5 bytes a word: the bound is held, no /tokenize
 
 
 @pytest.mark.parametrize(("raw", "words"), [
     (b"", "empty"), (b"  \n", "empty"), (b"\xc3\x28", "not UTF-8"), (b'{"a": ', "malformed JSON"),
     (b"[" * 100_000, "malformed JSON"), (b'"text"', "must be a JSON object"),
+    (b'{"prompt": "x", "max_tokens": ' + b"7" * 5000 + b"}", "unreadable JSON.*digits"),
 ])
 def test_bodies_that_are_not_a_json_object(raw, words):
-    with pytest.raises(PromptError, match=words):
+    with pytest.raises(PromptError, match=words) as caught:
         parse_body(raw)
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 300
 
 
 @pytest.mark.parametrize(("path", "body", "words"), [
@@ -49,11 +160,14 @@ def test_bodies_that_are_not_a_json_object(raw, words):
     ("/v1/completions", {"prompt": 5}, "must be a string"),
     ("/v1/completions", {"prompt": []}, "must be a string"),
     ("/v1/completions", {"prompt": [1, "a"]}, "must be a string"),
-    ("/v1/chat/completions", {}, "`messages` is missing"),
-    ("/v1/chat/completions", {"messages": []}, "non-empty list"),
-    ("/v1/chat/completions", {"messages": ["hi"]}, "must be an object"),
-    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "role must be a string"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "text must be"),
+    ("/v1/completions", {"prompt": "a", "suffix": 3}, "`suffix` must be a string"),
+    (CHAT, {}, "`messages` is missing"),
+    (CHAT, {"messages": []}, "non-empty list"),
+    (CHAT, {"messages": ["hi"]}, "must be an object"),
+    (CHAT, {"messages": [{"content": "hi"}]}, "role must be a string"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "text must be"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": 3}]}]}, "refusal must be"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}, "must be an object"),
 ])
 def test_bodies_the_guard_cannot_size(path, body, words):
     with pytest.raises(PromptError, match=words):

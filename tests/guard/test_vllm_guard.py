@@ -109,7 +109,16 @@ def test_the_guard_counts_with_vllms_tokenize_and_refuses_over_the_limit(vllm, g
     assert status == 503 and error["prompt_tokens_counted_by"] == "tokenize"
     assert error["prompt_tokens"] == 2999 + 2  # "user", the words, "assistant"
     status, _, data = request(guard.url, "POST", "/v1/completions", {"model": "tiny", "prompt": _words(3001)})
-    assert status == 503 and json.loads(data)["error"]["prompt_tokens_counted_by"] == "words"
+    # Over the limit by its words; its bytes could reach max-model-len, so vLLM counts: transient.
+    assert status == 503 and json.loads(data)["error"]["prompt_tokens_counted_by"] == "tokenize"
+    # Words at vLLM's max-model-len (its /v1/models says it) or over: permanent, a 400 without a count.
+    max_model_len = json.loads(request(vllm.url, "GET", "/v1/models")[2])["data"][0]["max_model_len"]
+    status, headers, data = request(guard.url, "POST", "/v1/completions",
+                                    {"model": "tiny", "prompt": _words(max_model_len)})
+    error = json.loads(data)["error"]
+    assert (status, error["code"], error["max_model_len"], headers["x-should-retry"]) == (
+        400, "context_length_exceeded", max_model_len, "false")
+    assert error["prompt_tokens_counted_by"] == "words" and max_model_len > LIMIT
 
 
 def test_models_health_and_vllms_own_errors_pass_through(vllm, guard):

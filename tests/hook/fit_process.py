@@ -1,6 +1,7 @@
 """A CUDA process under a memory cap with the live forecast on, for test_fit_gpu.py (the `gpu` test).
 
     PYTORCH_CUDA_ALLOC_CONF=...,per_process_memory_fraction:F python -m tests.hook.fit_process
+    PYTORCH_CUDA_ALLOC_CONF=... MEMTEL_GUARD_RESERVE_MB=0 python -m tests.hook.fit_process   # beside a holder
 
 Installs the hook with the forecast on (the forecast's helper process searches the longest prefill that fits),
 builds allocator state, then: reads `memtel_forecast_max_prefill_tokens` (the forecaster's result from a
@@ -75,6 +76,7 @@ def main() -> int:
     first = wait_for_fit(forecaster, time.time())
     gauge = first.max_fit.tokens
     out["first"] = {"gauge": gauge, "budget": first.budget.budget_bytes, "limit": first.budget.limit_bytes,
+                    "detail": first.budget.detail,
                     "total_memory": first.budget.total_memory, "simulations": first.max_fit.simulations,
                     "forecast": forecast_of(gauge, first), **attempt(gauge)}
     second = wait_for_fit(forecaster, time.time())

@@ -1,9 +1,11 @@
 """The longest prefill that fits, on a real GPU under a memory cap (marker gpu: run on the device machine).
 
-tests/hook/fit_process.py under `per_process_memory_fraction` (about 1.1 GiB of the device), with the defaults
+tests/hook/fit_process.py under `per_process_memory_fraction` (about 1.1 GiB of the device), and on a device
+shared with another process that holds all but 1.6 GiB (issue 32: the driver's own limit), with the defaults
 and with expandable segments: the gauge is read, a prefill of exactly that many tokens runs without running
 out of memory, and a prefill a chunk longer than the gauge read again afterwards is forecast not to fit and
-really runs out of memory. Figures: BENCHMARKS.md, "Longest prefill that fits".
+really runs out of memory. Figures: BENCHMARKS.md, "Longest prefill that fits" and "The gauge at the edge of a
+shared device".
 """
 
 from __future__ import annotations
@@ -40,3 +42,33 @@ def test_the_gauge_fits_and_a_chunk_more_runs_out_of_memory(alloc_conf):
     assert first["peak_reserved"] == first["forecast"]["peak_reserved"], first
     assert second["forecast"]["out_of_memory"], second      # the forecast says a chunk more does not fit
     assert second["out_of_memory"], second                  # and it does not
+
+
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"])
+def test_on_a_shared_device_the_gauge_fits_and_a_chunk_more_runs_out_of_memory(alloc_conf):
+    """Issue 32: another process holds all but 1.6 GiB of the device; no memory fraction, MEMTEL_GUARD_RESERVE_MB=0,
+    so the gauge is the raw edge under the driver's own limit (less the driver's slack, forecast/budget.py)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    holder = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fit_edge_gpu.py"), "--hold", "--free-gib",
+                               "1.6"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout is not None
+        held = json.loads(holder.stdout.readline())
+        done = subprocess.run([sys.executable, "-m", "tests.hook.fit_process"], capture_output=True, text=True,
+                              cwd=ROOT, timeout=300, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf,
+                                                          "MEMTEL_GUARD_RESERVE_MB": "0", "PYTHONPATH": str(ROOT)})
+    finally:
+        assert holder.stdin is not None and holder.stdout is not None
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps({"held": held, **out}))
+    first, second = out["first"], out["second"]
+    assert 8192 < first["gauge"] < 204_800, first   # the device's free memory cuts the range
+    assert not first["out_of_memory"], first             # exactly the gauge fits
+    assert second["out_of_memory"], second               # a chunk more does not

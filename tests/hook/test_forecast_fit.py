@@ -21,15 +21,21 @@ from telemetry.hook.forecast import set_forecast_workload
 from telemetry.hook.forecast.budget import (
     DISCRETE,
     UNIFIED,
+    discrete_base,
     discrete_budget,
     node_headroom,
+    read_budget_base,
     reserve_bytes,
     set_forecast_budget,
     sharing_ranks,
+    unified_base,
     unified_budget,
 )
+from telemetry.hook.forecast.compute import decode_request, encode_request, with_fraction
 from telemetry.hook.forecast.helper import ForecastHelper
 from telemetry.hook.forecast.runner import BUDGET, SIMULATION, UNAVAILABLE, Forecaster
+from telemetry.hook.forecast.workload import make_workload
+from telemetry.model.allocsim.config import parse_alloc_conf
 from telemetry.model.allocsim.snapshot import read_allocator_state
 from telemetry.model.indexer.backends import SimBackend
 from telemetry.model.indexer.fit import max_prefill_tokens
@@ -79,10 +85,74 @@ def test_unified_memory_is_shared_equally_by_the_nodes_ranks_plus_what_each_hold
     assert unified_budget(GIB, allocated=0, reserved=MIB, reserve=2 * GIB, ranks=2).budget_bytes == MIB
 
 
-def test_a_discrete_gpu_gives_its_free_memory_plus_what_the_allocator_holds_free():
+def test_a_discrete_gpu_gives_its_free_memory_less_the_driver_slack_and_the_reserve_plus_what_is_held_free():
+    # 5 GiB free less the driver's 3,735,552 B slack: 5,116 MiB in whole 2 MiB pages (test_fit_edge_truth.py).
     budget = discrete_budget(5 * GIB, allocated=2 * GIB, reserved=2 * GIB + 7 * MIB, total_memory=80 * GIB)
-    assert (budget.budget_bytes, budget.limit_bytes, budget.memory) == (5 * GIB + 7 * MIB, 7 * GIB + 7 * MIB,
+    assert (budget.budget_bytes, budget.limit_bytes, budget.memory) == (5116 * MIB + 7 * MIB, 7 * GIB + 3 * MIB,
                                                                         DISCRETE)
+    reserved = discrete_budget(5 * GIB, allocated=2 * GIB, reserved=2 * GIB, total_memory=80 * GIB, reserve=2 * GIB)
+    assert reserved.budget_bytes == 3068 * MIB
+    assert "slack 3.56 MiB" in reserved.detail and "less reserve 2,048 MiB (MEMTEL_GUARD_RESERVE_MB" in reserved.detail
+    assert discrete_budget(MIB, allocated=0, reserved=0, total_memory=GIB, reserve=2 * GIB).budget_bytes == 0
+
+
+def test_the_start_up_line_says_what_the_budget_subtracts_and_why():
+    sim_rank()
+    line = forecaster(helper=False).describe()
+    assert "less 2,048 MiB kept free (MEMTEL_GUARD_RESERVE_MB: other tenants, cuBLAS workspaces" in line
+    assert "on a discrete GPU also less the driver's slack, 3.56 MiB" in line
+    assert "less 512 MiB kept free" in forecaster({"MEMTEL_GUARD_RESERVE_MB": "512"}, helper=False).describe()
+    set_forecast_budget(lambda: GIB, reserve_mib=0)   # a program that is its own node: its reserve
+    assert "less 0 MiB kept free" in forecaster(helper=False).describe()
+
+
+@pytest.mark.parametrize("free", [-1, float("nan"), float("inf"), -0.5, None, "5"])
+def test_a_free_figure_the_hook_cannot_trust_is_refused_never_guessed(free):
+    with pytest.raises(ValueError, match=r"expected .*bytes"):
+        discrete_base(free, total_memory=GIB)
+    with pytest.raises(ValueError, match=r"expected .*bytes"):
+        unified_base(free, reserve=0, ranks=1)
+
+
+def fake_cuda(monkeypatch, *, free, total=80 * GIB, integrated=False, fraction=1.0, fails=False):
+    """torch.cuda's device queries as a discrete or integrated GPU would answer them (no GPU here)."""
+    torch = pytest.importorskip("torch")
+
+    def mem_get_info(device):
+        if fails:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return free, total
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("P", (), {"is_integrated": integrated, "total_memory": total})())
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+
+
+def test_on_a_discrete_gpu_the_reserve_is_taken_off_too_and_a_memory_fraction_is_read(monkeypatch):
+    fake_cuda(monkeypatch, free=10 * GIB)
+    reader = allocator.CudaAllocatorReader()
+    base = read_budget_base(reader, 0, environ={})
+    assert base.memory == DISCRETE and base.fraction is None
+    assert base.base_bytes == 10 * GIB - 2048 * MIB - 4 * MIB   # the default reserve and the slack, in pages
+    assert read_budget_base(reader, 0, environ={"MEMTEL_GUARD_RESERVE_MB": "0"}).base_bytes == 10 * GIB - 4 * MIB
+    fake_cuda(monkeypatch, free=10 * GIB, fraction=0.25)
+    capped = read_budget_base(reader, 0, environ={})
+    assert capped.fraction == 0.25   # and it reaches the helper process
+    assert decode_request(encode_request(0, make_workload(SHAPE), "", (), capped))[4] == capped
+    assert with_fraction("expandable_segments:True", 0.25) == \
+        "expandable_segments:True,per_process_memory_fraction:0.25"
+    assert with_fraction("per_process_memory_fraction:0.5,expandable_segments:True", 0.25) == \
+        "expandable_segments:True,per_process_memory_fraction:0.25"   # torch's current cap wins
+    assert with_fraction("max_split_size_mb:256", None) == "max_split_size_mb:256"
+    assert parse_alloc_conf(with_fraction("", 1e-05)).per_process_memory_fraction == 1e-05
+
+
+@pytest.mark.parametrize("problem", [{"free": float("nan")}, {"free": -4096}, {"free": GIB, "fails": True}])
+def test_a_driver_that_fails_or_answers_nonsense_makes_the_budget_unreadable(monkeypatch, problem):
+    fake_cuda(monkeypatch, **problem)
+    with pytest.raises((ValueError, RuntimeError)):
+        read_budget_base(allocator.CudaAllocatorReader(), 0, environ={})
 
 
 def test_the_reserve_and_the_ranks_are_read_from_the_environment_or_refused_in_one_line():
@@ -164,6 +234,27 @@ def test_without_a_budget_the_forecast_runs_and_the_gauge_is_left_out_with_one_l
         live.stop()
     assert live.results.forecasts and live.results.max_fit is None and live.results.budget is None
     assert len([r for r in caplog.records if "no fit budget" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1])
+def test_an_untrusted_budget_leaves_the_gauge_out_counted_every_cycle_and_said_once(bad, caplog):
+    sim_rank()
+    room = [bad]
+    set_forecast_budget(lambda: room[0], reserve_mib=0)
+    live = forecaster(helper=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="memtel"):
+            assert live.run_once() and live.run_once() and live.run_once()
+            assert live.results.failures == {BUDGET: 3}
+            assert live.results.max_fit is None and live.results.budget is None and live.results.forecasts
+            room[0] = 200 * MIB
+            assert live.run_once() and live.results.max_fit is not None   # the gauge is back with the budget
+    finally:
+        live.stop()
+    said = [r.getMessage() for r in caplog.records]
+    failing = [m for m in said if "cannot read the fit budget" in m]
+    assert len(failing) == 1 and "expected a finite, non-negative number of bytes" in failing[0]
+    assert len([m for m in said if "can be read again" in m]) == 1
 
 
 def test_a_budget_that_cannot_be_read_is_counted_and_the_forecasts_stay():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -69,7 +70,7 @@ def assert_died_of_out_of_memory(server: LabServer, response: httpx.Response) ->
 
 
 @pytest.mark.slow   # a lab server (about 10 s)
-def test_one_rank_serves_exactly_the_gauge_and_runs_out_one_token_later(tmp_path):
+def test_one_rank_serves_exactly_the_gauge_and_runs_out_one_token_later(tmp_path: Path) -> None:
     capacity = 60 * MIB
     server = LabServer(tmp_path, *SHAPE, "--capacity-gb", str(capacity / (1 << 30)), ranks=1, env=ENV)
     with server:
@@ -85,7 +86,7 @@ def test_one_rank_serves_exactly_the_gauge_and_runs_out_one_token_later(tmp_path
 
 
 @pytest.mark.slow   # a lab server of two ranks (about 10 s)
-def test_two_ranks_share_the_node_serve_the_gauge_and_run_out_at_max_model_len(tmp_path):
+def test_two_ranks_share_the_node_serve_the_gauge_and_run_out_at_max_model_len(tmp_path: Path) -> None:
     capacity = 120 * MIB
     server = LabServer(tmp_path, *SHAPE, "--capacity-gb", str(capacity / (1 << 30)), ranks=2, env=ENV)
     with server:
@@ -105,7 +106,7 @@ def test_two_ranks_share_the_node_serve_the_gauge_and_run_out_at_max_model_len(t
     (["--allocator", "sim", "--capacity-gb", "0"], "--capacity-gb"),
     (["--allocator", "sim", "--capacity-gb", "lots"], "--capacity-gb"),
 ])
-def test_a_bad_capacity_is_one_line_and_exit_2(args, expected):
+def test_a_bad_capacity_is_one_line_and_exit_2(args: list[str], expected: str) -> None:
     run = subprocess.run([sys.executable, "-m", "telemetry", "lab", "serve", "--arm", "stock", "--port", "1", *args],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert run.returncode == 2, run

@@ -1,11 +1,13 @@
 """The fit budget: how much memory this rank's allocator may still take for a prefill, beyond its live bytes.
 
 `memtel_forecast_max_prefill_tokens` is the longest prefill whose simulated peak reserved stays within
-allocated + budget (telemetry/model/indexer/fit.py); `memtel_forecast_fit_budget_bytes` is the budget:
+allocated + budget (telemetry/model/indexer/fit.py); `memtel_forecast_fit_budget_bytes` is the budget. On every
+device MEMTEL_GUARD_RESERVE_MB (default 2048) is kept free: other tenants, cuBLAS workspaces and NCCL buffers
+allocate outside the forecast.
 
 - unified memory (the device reports itself integrated, or the program's own node, see below): the node's
   headroom, min(MemAvailable, free memory in blocks of at least 2 MiB from /proc/buddyinfo), as the daemon's
-  `memtel_node_headroom_without_reclaim_bytes`, less MEMTEL_GUARD_RESERVE_MB (default 2048), divided equally
+  `memtel_node_headroom_without_reclaim_bytes`, less the reserve, divided equally
   among the ranks that share the node's memory (LOCAL_WORLD_SIZE, default 1: tensor-parallel ranks prefill
   the same request at the same time, each with the same growth), plus what this rank's allocator holds free
   (reserved − allocated: already taken from the node, and its own to reuse). A share is not a limit any
@@ -13,18 +15,24 @@ allocated + budget (telemetry/model/indexer/fit.py); `memtel_forecast_fit_budget
   only when the node is full, so a rank that runs ahead can take more than its share and leave the others
   short. Where ranks share the node, a prefill fits only if the simulated allocator never reserves beyond
   the share, without counting on its cache being freed (`release_cache_on_oom=False`, fit.py);
-- a discrete GPU: the device's free memory (cudaMemGetInfo) plus what the allocator holds free.
+- a discrete GPU: the device's free memory (cudaMemGetInfo) less the driver's slack (`DRIVER_SLACK_BYTES`:
+  memory cudaMemGetInfo counts as free that no allocation gets, BENCHMARKS.md "The driver near a full device"),
+  less the reserve, in whole 2 MiB pages (the granularity of the driver's large allocations and of
+  cuMemCreate), plus what the allocator holds free.
 
 A program that is its own node (the lab server's emulated unified memory) gives its headroom with
 `set_forecast_budget(headroom)`; then the reserve is MEMTEL_GUARD_RESERVE_MB if set, else the program's.
+A free figure the hook cannot trust (negative, not a finite number) raises ValueError: the gauge is then absent
+for that cycle (counted as a `budget` failure), never a guess.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from telemetry.errors import ConfigError
@@ -35,6 +43,8 @@ MAX_RESERVE_MIB = 1 << 30
 RANKS_VARIABLE = "LOCAL_WORLD_SIZE"
 MAX_SHARING_RANKS = 1024
 MIB = 1 << 20
+DRIVER_PAGE_BYTES = 2 * MIB
+DRIVER_SLACK_BYTES = 3_735_552   # measured on an H200 (BENCHMARKS.md, "The driver near a full device")
 UNIFIED = "unified"
 DISCRETE = "discrete"
 
@@ -82,9 +92,21 @@ def unified_budget(headroom: int, *, allocated: int, reserved: int, reserve: int
         allocated, reserved)
 
 
-def discrete_budget(device_free: int, *, allocated: int, reserved: int, total_memory: int | None) -> FitBudget:
-    """The budget on a discrete GPU: the device's free memory plus what the allocator holds free."""
-    return discrete_base(device_free, total_memory=total_memory).for_allocator(allocated, reserved)
+def discrete_budget(device_free: int, *, allocated: int, reserved: int, total_memory: int | None,
+                    reserve: int = 0, slack: int = DRIVER_SLACK_BYTES) -> FitBudget:
+    """The budget on a discrete GPU: the device's free memory less the driver's slack and the reserve, plus what
+    the allocator holds free."""
+    return discrete_base(device_free, total_memory=total_memory, reserve=reserve, slack=slack).for_allocator(
+        allocated, reserved)
+
+
+def checked_bytes(value: object, what: str) -> int:
+    """A memory figure read from the driver or the node, as bytes; ValueError for one the hook cannot trust."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} is {value!r}: expected a number of bytes")
+    if (isinstance(value, float) and not math.isfinite(value)) or value < 0:
+        raise ValueError(f"{what} is {value!r}: expected a finite, non-negative number of bytes")
+    return int(value)
 
 
 def node_headroom(meminfo_path: str = "/proc/meminfo", buddyinfo_path: str = "/proc/buddyinfo") -> int:
@@ -145,6 +167,7 @@ class BudgetBase:
     total_memory: int | None
     detail: str
     shared: bool = False   # the node's headroom is shared by several ranks (see FitBudget)
+    fraction: float | None = None   # torch.cuda.set_per_process_memory_fraction's, where below 1 (the allocator's cap)
 
     def for_allocator(self, allocated: int, reserved: int) -> FitBudget:
         held_free = max(reserved - allocated, 0)
@@ -155,14 +178,32 @@ class BudgetBase:
 
 def unified_base(headroom: int, *, reserve: int, ranks: int, total_memory: int | None = None,
                  source: str = "node headroom") -> BudgetBase:
+    headroom = checked_bytes(headroom, source)
     share = max(headroom - reserve, 0) // max(ranks, 1)
-    detail = (f"{source} {headroom / MIB:,.0f} MiB less reserve {reserve / MIB:,.0f} MiB"
+    detail = (f"{source} {headroom / MIB:,.0f} MiB less reserve {reserve / MIB:,.0f} MiB ({RESERVE_VARIABLE})"
               + (f", shared by {ranks} ranks" if ranks > 1 else ""))
     return BudgetBase(share, UNIFIED, total_memory, detail, ranks > 1)
 
 
-def discrete_base(device_free: int, *, total_memory: int | None) -> BudgetBase:
-    return BudgetBase(max(device_free, 0), DISCRETE, total_memory, f"device free {device_free / MIB:,.0f} MiB")
+def discrete_base(device_free: int, *, total_memory: int | None, reserve: int = 0,
+                  slack: int = DRIVER_SLACK_BYTES) -> BudgetBase:
+    """The device's free memory less the driver's slack and the reserve, in whole driver pages (never below 0)."""
+    free = checked_bytes(device_free, "the device's free memory (cudaMemGetInfo)")
+    usable = max(free - slack - reserve, 0) // DRIVER_PAGE_BYTES * DRIVER_PAGE_BYTES
+    detail = (f"device free {free / MIB:,.1f} MiB less the driver's slack {slack / MIB:,.2f} MiB (free memory no "
+              f"allocation gets) less reserve {reserve / MIB:,.0f} MiB ({RESERVE_VARIABLE}: other tenants, "
+              f"workspaces and buffers allocated outside the forecast), in 2 MiB pages")
+    return BudgetBase(usable, DISCRETE, total_memory, detail)
+
+
+def budget_rule(environ: Mapping[str, str] = os.environ) -> str:
+    """What the budget subtracts, for the hook's start-up line (ConfigError for a bad reserve)."""
+    program = _program_budget
+    reserve = reserve_bytes(environ, DEFAULT_RESERVE_MIB if program is None else program.reserve_mib)
+    return (f"fit budget: free memory less {reserve / MIB:,.0f} MiB kept free ({RESERVE_VARIABLE}: other tenants, "
+            f"cuBLAS workspaces, NCCL buffers and kernels loaded at their first launch allocate outside the "
+            f"forecast); on a discrete GPU also less the driver's slack, {DRIVER_SLACK_BYTES / MIB:,.2f} MiB (free "
+            f"memory no allocation gets)")
 
 
 def read_budget_base(reader: Any, device: int | None, environ: Mapping[str, str] = os.environ) -> BudgetBase | None:
@@ -172,7 +213,7 @@ def read_budget_base(reader: Any, device: int | None, environ: Mapping[str, str]
     program = _program_budget
     ranks = sharing_ranks(environ)
     if program is not None:
-        return unified_base(int(program.headroom()), reserve=reserve_bytes(environ, program.reserve_mib),
+        return unified_base(program.headroom(), reserve=reserve_bytes(environ, program.reserve_mib),
                             ranks=ranks, source="the program's node headroom")
     if getattr(reader, "snapshot_source", None) is not None or device is None:
         return None   # an allocator source (not CUDA) that gave no budget
@@ -183,9 +224,24 @@ def read_budget_base(reader: Any, device: int | None, environ: Mapping[str, str]
         return unified_base(node_headroom(), reserve=reserve_bytes(environ), ranks=ranks,
                             total_memory=int(properties.total_memory))
     free, total = torch.cuda.mem_get_info(device)
-    return discrete_base(int(free), total_memory=int(total))
+    base = discrete_base(free, total_memory=checked_bytes(total, "the device's total memory"),
+                         reserve=reserve_bytes(environ))
+    return replace(base, fraction=process_memory_fraction(torch, device))
 
 
-__all__ = ["DISCRETE", "RESERVE_VARIABLE", "UNIFIED", "BudgetBase", "FitBudget", "discrete_base", "discrete_budget",
-           "node_headroom", "read_budget_base", "reserve_bytes", "set_forecast_budget", "sharing_ranks",
-           "unified_base", "unified_budget"]
+def process_memory_fraction(torch: Any, device: int) -> float | None:
+    """The cap `torch.cuda.set_per_process_memory_fraction` put on this process's allocator (None: none, or a torch
+    that cannot say). A cap in PYTORCH_CUDA_ALLOC_CONF is in the allocator settings the simulator reads already."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:
+        return None
+    fraction = float(getter(device))
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"the per-process memory fraction is {fraction!r}: expected a number in (0, 1]")
+    return fraction if fraction < 1.0 else None
+
+
+__all__ = ["DISCRETE", "DRIVER_PAGE_BYTES", "DRIVER_SLACK_BYTES", "RESERVE_VARIABLE", "UNIFIED", "BudgetBase",
+           "FitBudget", "budget_rule", "checked_bytes", "discrete_base", "discrete_budget",
+           "node_headroom", "process_memory_fraction", "read_budget_base", "reserve_bytes", "set_forecast_budget",
+           "sharing_ranks", "unified_base", "unified_budget"]

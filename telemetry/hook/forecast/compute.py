@@ -50,10 +50,22 @@ def run_cycle(segments: Any, device: int | None, workload: ForecastWorkload, con
     if base is not None:
         budget = base.for_allocator(counters.allocated_bytes, counters.reserved_bytes)
         max_fit = max_prefill_tokens(state, workload.shape, limit_bytes=budget.limit_bytes,
-                                     mode=workload.mode, alloc_conf=conf,  # type: ignore[arg-type]
+                                     mode=workload.mode,  # type: ignore[arg-type]
+                                     alloc_conf=with_fraction(conf, base.fraction),
                                      pattern=workload.pattern, total_memory=budget.total_memory, pause=pause,
                                      release_cache_on_oom=not budget.shared)
     return CycleOutput(counters.allocated_bytes, counters.reserved_bytes, forecasts, budget, max_fit)
+
+
+def with_fraction(conf: str, fraction: float | None) -> str:
+    """The allocator settings with the cap torch reports (`get_per_process_memory_fraction`, set by the settings or by
+    `set_per_process_memory_fraction` since; None: the settings as they are)."""
+    if fraction is None:
+        return conf
+    text = repr(fraction) if "e" not in repr(fraction) else f"{fraction:.20f}".rstrip("0")
+    kept = [part for part in conf.split(",") if part.strip() and
+            part.split(":", 1)[0].strip() != "per_process_memory_fraction"]
+    return ",".join([*kept, f"per_process_memory_fraction:{text}"])
 
 
 # ---- plain data (marshal) for the pipe -----------------------------------------------------------------------
@@ -66,7 +78,7 @@ def encode_request(device: int | None, workload: ForecastWorkload, conf: str, to
                                                      pattern.row_scale],
             "tokens": list(tokens),
             "base": None if base is None else [base.base_bytes, base.memory, base.total_memory, base.detail,
-                                               base.shared]}
+                                               base.shared, base.fraction]}
 
 
 def decode_request(doc: dict[str, Any]) -> tuple[int | None, ForecastWorkload, str, tuple[int, ...], BudgetBase | None]:
@@ -102,4 +114,5 @@ def decode_output(doc: dict[str, Any]) -> CycleOutput:
     return CycleOutput(doc["allocated"], doc["reserved"], forecasts, budget, max_fit)
 
 
-__all__ = ["CycleOutput", "decode_output", "decode_request", "encode_output", "encode_request", "run_cycle"]
+__all__ = ["CycleOutput", "decode_output", "decode_request", "encode_output", "encode_request", "run_cycle",
+           "with_fraction"]

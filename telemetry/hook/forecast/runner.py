@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from telemetry.errors import ConfigError
 from telemetry.hook import allocator
 from telemetry.hook.forecast.helper import ForecastHelper, HelperError, ShadowInput
 from telemetry.hook.forecast.shadow import LOST, START
@@ -155,6 +156,8 @@ class Forecaster:
         self._last_key: tuple[int | None, ForecastWorkload, str] | None = None
         self._last_segments: Any = None          # and the snapshot's segments they started from
         self._said_no_budget = False
+        self._budget_failing = False   # said once per run of failed budget reads (counted every time)
+        self._said_budget: str | None = None
         self._said_off = False
         self._last_counters: tuple[int, int] | None = None   # (allocated, reserved) of the last simulated state
         self._last_log = -LOG_EVERY_S
@@ -213,12 +216,20 @@ class Forecaster:
             return f"off ({unavailable})"
         if workload is not None:
             self._announced = workload   # the first cycle need not say it again
-            return f"{head}, {workload.describe()}"
+            return f"{head}, {workload.describe()}; {self._budget_rule()}"
         if self._no_indexer is not None:
             return f"off ({self._no_indexer})"
         if self.waiting_for_model():
             return f"{head}, once the model is loaded (the workload is read from the engine then)"
         return f"{head}, the reference workload (MEMTEL_FORECAST_SHAPE unset)"
+
+    def _budget_rule(self) -> str:
+        from telemetry.hook.forecast.budget import budget_rule
+
+        try:
+            return budget_rule(self.environ)
+        except ConfigError as error:
+            return f"no fit budget ({error})"
 
     # ---- one cycle ------------------------------------------------------------------------------
 
@@ -431,8 +442,21 @@ class Forecaster:
         try:
             base = read_budget_base(self.reader(), device, environ=self.environ)
         except Exception as error:
-            self._count(BUDGET, f"cannot read the fit budget: {error}")
+            # The gauge is absent for this cycle (never a guess); counted every time, logged once per run of failures.
+            self._tally(BUDGET)
+            if not self._budget_failing:
+                self._budget_failing = True
+                log.warning("memtel: live forecast in pid %d: cannot read the fit budget (%s): "
+                            "memtel_forecast_max_prefill_tokens is left out until it can; "
+                            "memtel_forecast_failures_total{reason=\"%s\"} counts each cycle", os.getpid(), error,
+                            BUDGET)
             return None
+        if self._budget_failing:
+            self._budget_failing = False
+            log.info("memtel: live forecast in pid %d: the fit budget can be read again", os.getpid())
+        if base is not None and base.memory != self._said_budget:
+            self._said_budget = base.memory
+            log.info("memtel: live forecast in pid %d: %s fit budget: %s", os.getpid(), base.memory, base.detail)
         if base is None and not self._said_no_budget:
             self._said_no_budget = True
             log.info("memtel: live forecast in pid %d: no fit budget (the allocator source gives none: "
@@ -456,12 +480,16 @@ class Forecaster:
             self._last_key = None
         self._count(reason, error)
 
-    def _count(self, reason: str, error: object) -> None:
-        """Count a failure by reason and log it (at most once a minute)."""
+    def _tally(self, reason: str) -> None:
         with self._lock:
             failures = dict(self.results.failures)
             failures[reason] = failures.get(reason, 0) + 1
             self.results = replace(self.results, failures=failures)
+
+    def _count(self, reason: str, error: object) -> None:
+        """Count a failure by reason and log it (at most once a minute)."""
+        self._tally(reason)
+        with self._lock:
             now = time.monotonic()
             if now - self._last_log < LOG_EVERY_S:
                 self._unlogged += 1

@@ -25,10 +25,10 @@ import itertools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from telemetry.allocator_counters import AllocatorCounters
-from telemetry.errors import ConfigError
+from telemetry.errors import ConfigError, shown
 from telemetry.limits import MAX_SNAPSHOT_BLOCKS, MAX_SNAPSHOT_OBJECTS
 
 from .config import SIZE_MAX, AllocatorConfig, AllocatorConfigError, format_alloc_conf, parse_alloc_conf, same_settings
@@ -108,19 +108,12 @@ class AllocatorState:
 UINT64_END = 2**64  # addresses, sizes and stream handles are 64-bit unsigned in the allocator
 
 
-def shown(value: Any, limit: int = 80) -> str:
-    """`value` for an error message, whatever it is (an integer of 5,000 digits, a cycle, a huge list)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length():,} bits"
-    try:
-        text = repr(value)
-    except (ValueError, RecursionError, MemoryError):  # repr of a list holding a 5,000-digit integer, ...
-        text = f"a {type(value).__name__}"
-    return text if len(text) <= limit else text[:limit] + "..."
+def _uint64(value: Any, minimum: int = 0) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value < UINT64_END
 
 
 def _int(value: Any, what: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < UINT64_END:
+    if not _uint64(value, minimum):
         raise SnapshotError(f"{what} must be an integer from {minimum} below 2**64, got {shown(value)}")
     return value
 
@@ -167,7 +160,7 @@ def _segment(raw: Any, index: int, budget: list[int] | None = None) -> tuple[int
                                 f"{', '.join(BLOCK_STATES)})")
         block_address = b.get("address", cursor)
         if block_address != cursor:
-            text = f"{block_address:#x}" if isinstance(block_address, int) else shown(block_address)
+            text = f"{block_address:#x}" if _uint64(block_address) else shown(block_address)
             raise SnapshotError(f"{where}, block {j}: address {text} where the blocks before it end at "
                                 f"{cursor:#x}: blocks must tile the segment in address order")
         blocks.append(SnapshotBlock(cursor, size, state))

@@ -31,7 +31,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from telemetry.errors import ConfigError
+from telemetry.errors import ConfigError, printable, shown
 from telemetry.limits import (
     MAX_SNAPSHOT_FILE_BYTES,
     MAX_SNAPSHOT_JSON_BYTES,
@@ -204,7 +204,7 @@ def parse_snapshot_bytes(data: bytes, source: str = "snapshot", max_bytes: int =
         if not head:
             raise SnapshotFileError(f"{source}: the file is empty; expected a memory snapshot (JSON or pickle)")
         if head not in (b"{", b"[") and head[0] != PICKLE_PROTO:
-            raise SnapshotFileError(f"{source}: neither JSON nor a pickle (it starts with {text[:8]!r}); "
+            raise SnapshotFileError(f"{source}: neither JSON nor a pickle (it starts with {shown(text, 8)}); "
                                     "expected torch.cuda.memory_snapshot() as JSON or a "
                                     "torch.cuda.memory._dump_snapshot() pickle")
         stream = _Stream(data, source, max_bytes, max_objects)  # from the start again
@@ -216,7 +216,7 @@ def parse_snapshot_bytes(data: bytes, source: str = "snapshot", max_bytes: int =
             except RecursionError:
                 raise SnapshotFileError(f"{source}: JSON nested too deeply to be a memory snapshot") from None
             except ValueError as exc:  # e.g. an integer of more than 4,300 digits
-                raise SnapshotFileError(f"{source}: not a memory snapshot ({str(exc)[:200]})") from None
+                raise SnapshotFileError(f"{source}: not a memory snapshot ({printable(str(exc), 200)})") from None
         try:
             return _load_pickle(stream)
         except pickle.UnpicklingError as exc:
@@ -232,7 +232,7 @@ def parse_snapshot_bytes(data: bytes, source: str = "snapshot", max_bytes: int =
                                     "(lower --max-objects or --max-file-gb)") from None
         except Exception as exc:  # a corrupt pickle can raise almost anything (EOFError, KeyError, ...)
             raise SnapshotFileError(
-                f"{source}: a truncated or corrupt pickle ({type(exc).__name__}: {str(exc)[:200]})") from None
+                f"{source}: a truncated or corrupt pickle ({type(exc).__name__}: {printable(str(exc), 200)})") from None
     except _Limit as exc:
         raise exc.error from None
 

@@ -1,7 +1,8 @@
 """Building the native snapshot reader (snapshot_native.cpp) once per torch, and finding the build.
 
-`python -c ...build.main() DIR` (started by reader.py in the background, never waited for by the serving
-process) compiles the extension with `torch.utils.cpp_extension.load(..., with_cuda=True)` into DIR, at a low
+`python -I -c ...build.main() DIR` (started by reader.py in the background, never waited for by the serving
+process; isolated and run in DIR, so nothing in the engine's working directory is imported: reader.build_command)
+compiles the extension with `torch.utils.cpp_extension.load(..., with_cuda=True)` into DIR, at a low
 CPU priority, one build at a time per DIR (a lock file: several ranks starting together build once). It needs
 what a torch extension needs: a C++ compiler, ninja, the CUDA headers of torch's CUDA (CUDA_HOME), and a torch
 with its headers (a CUDA wheel has them). A failed build writes `failed.txt` with the reason; no process tries

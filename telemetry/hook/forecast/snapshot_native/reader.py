@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from telemetry.errors import shown
+
 log = logging.getLogger("memtel.hook")
 
 VARIABLE = "MEMTEL_FORECAST_SNAPSHOT"
@@ -40,6 +42,17 @@ EVENT_CAP = 1 << 20   # the most allocator events kept between two cycles (48 by
 # the first one's shadow needs).
 _events_lock = threading.Lock()
 _events_owner: NativeSnapshots | None = None
+
+
+def build_command(directory: Path) -> list[str]:
+    """The background build's command line. Isolated (`-I`): neither the engine's working directory (where anyone
+    who can write there could plant a `telemetry/` package) nor PYTHON* variables decide what it imports. It gets
+    this process's import path instead (absolute entries only, memtel's own root first, the working directory left
+    out), so it imports the memtel and the torch this process runs."""
+    root = str(Path(__file__).resolve().parents[4])
+    here = os.getcwd()
+    paths = list(dict.fromkeys([root, *(p for p in sys.path if os.path.isabs(p) and (p == root or p != here))]))
+    return [sys.executable, "-I", "-c", f"import sys; sys.path[:0] = {paths!r}; {BUILD_MAIN}", str(directory)]
 
 
 def coalesce_pairs(environ: Mapping[str, str]) -> bool:
@@ -105,7 +118,7 @@ class NativeSnapshots:
         global _events_owner
         choice = self.environ.get(SHADOW_VARIABLE, "").strip() or "on"
         if choice != "on":
-            self.events_off = f"{SHADOW_VARIABLE}={choice[:40]!r}"
+            self.events_off = f"{SHADOW_VARIABLE}={shown(choice, 40)}"
             if choice != "off":
                 log.warning("memtel: live forecast in pid %d: %s: expected on or off; the event shadow is off",
                             os.getpid(), self.events_off)
@@ -168,7 +181,7 @@ class NativeSnapshots:
 
         choice = self.environ.get(VARIABLE, "").strip() or "native"
         if choice not in CHOICES:
-            self._give_up(f"{VARIABLE}={choice[:40]!r}: expected one of {', '.join(CHOICES)}")
+            self._give_up(f"{VARIABLE}={shown(choice, 40)}: expected one of {', '.join(CHOICES)}")
             return
         if choice == "python":
             self._give_up(f"{VARIABLE}=python", quiet=True)
@@ -196,13 +209,11 @@ class NativeSnapshots:
         env = dict(self.environ)
         for name in ("MEMTEL_TARGETS", "MEMTEL_ENABLE"):   # not a serving process: memtel run's bootstrap stays off
             env.pop(name, None)
-        root = str(Path(__file__).resolve().parents[4])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        command = self.command or [sys.executable, "-c", BUILD_MAIN, str(directory)]
+        command = self.command or build_command(directory)
         fd = os.open(directory / build.LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
+        try:   # in the build's own private folder: the engine's working directory is nobody's to trust
             self._build = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env=env,
-                                           close_fds=True)
+                                           close_fds=True, cwd=directory)
         finally:
             os.close(fd)
         self._build_started = self.clock()
@@ -268,4 +279,4 @@ class NativeSnapshots:
 
 
 __all__ = ["ALLOCATOR_SOURCE", "EVENT_CAP", "MEMORY_SNAPSHOT", "NATIVE", "SHADOW_VARIABLE", "VARIABLE",
-           "NativeSnapshots", "coalesce_pairs", "coalesced"]
+           "NativeSnapshots", "build_command", "coalesce_pairs", "coalesced"]

@@ -1,0 +1,228 @@
+"""The guard's refusals, said the way OpenAI clients understand them: permanent (400) or transient (503).
+
+- **Permanent**: the prompt has at least the engine's max-model-len tokens (the engine refuses a prompt
+  that leaves no room for an output token too). No wait can help: 400 in OpenAI's error shape, `type`
+  `invalid_request_error`, `code` `context_length_exceeded` (what OpenAI answers for a prompt over the
+  context), no `Retry-After`, and `x-should-retry: false` (the OpenAI SDKs read it before the status).
+  Max-model-len is read from the upstream's `/v1/models` (vLLM and the lab put `max_model_len` in each
+  model card), once a minute at most and only when a prompt is over the limit. Where the guard does not
+  know it, or the memory limit is above it, the engine's own 400 reaches the client.
+  "More than a rank could take at best" (with only its resident memory and an empty cache) would be
+  permanent too, but no hook exports that figure, so only max-model-len decides permanence.
+- **Transient**: the prompt is within max-model-len but over the limit in force now (the rank's longest
+  fitting prefill, less what admitted prefills hold): 503 with `Retry-After` and `x-should-retry: true`.
+
+Every refusal's body names the prompt's tokens and how they were counted, the limit now and at best, the
+rank and node that set it, and the forecast against the budget in words that cannot be read the wrong way
+round (`forecast`): `forecast_bytes` is the reserved growth that stays after a prefill, below the budget
+it does not mean "fits", because what must fit is the peak during the prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from telemetry.catalogue.fields import GUARD_BAD_REQUEST, GUARD_WOULD_NOT_FIT
+
+if TYPE_CHECKING:
+    from telemetry.guard.limit import Limit
+    from telemetry.guard.prompt import PromptSize
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+INVALID_REQUEST = "invalid_request_error"  # OpenAI's `type` for a request no retry can make succeed
+RETRY_AFTER_S = {"would_not_fit": 10, "in_prefill": 1, "blind": 5}
+SHOULD_RETRY = "x-should-retry"
+MODELS_PATH = "/v1/models"
+MODELS_REFRESH_S = 60.0  # an engine restarted with another --max-model-len is seen within a minute
+MODELS_TIMEOUT_S = 2.0
+MAX_MODELS_BYTES = 1 << 20
+# A refusal by words that may or may not reach max-model-len is counted by /tokenize to say which, up to this
+# much prompt text: the lab's /tokenize took about half a second for 1.3 MB here (BENCHMARKS.md), so telling
+# permanent from transient stays under a second; a longer prompt is answered by its words (transient).
+DECIDE_BY_TOKENIZE_BYTES = 1 << 20
+
+
+def error_body(kind: str, message: str, status: int | str, **fields: Any) -> dict[str, Any]:
+    """OpenAI's error shape: `message`, `type`, `param`, `code`, then the guard's own fields."""
+    param = fields.pop("param", None)
+    return {"error": {"message": message, "type": kind, "param": param, "code": status, **fields}}
+
+
+class Refusal(Exception):
+    """An answer the guard gives instead of forwarding: status, OpenAI error body, and retry headers.
+
+    retry_after: seconds for `Retry-After` (a transient refusal; also sends `x-should-retry: true`).
+    should_retry: False for a permanent refusal (`x-should-retry: false`); None sends no retry header.
+    """
+
+    def __init__(self, status: int, body: dict[str, Any], retry_after: int | None = None, *,
+                 should_retry: bool | None = None, reason: str | None = None) -> None:
+        super().__init__(body["error"]["message"])
+        self.status = status
+        self.body = body
+        self.retry_after = retry_after
+        self.should_retry = True if retry_after is not None and should_retry is None else should_retry
+        self.reason = reason
+
+    @property
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        found: list[tuple[str, str]] = []
+        if self.retry_after is not None:
+            found.append(("Retry-After", str(self.retry_after)))
+        if self.should_retry is not None:
+            found.append((SHOULD_RETRY, "true" if self.should_retry else "false"))
+        return tuple(found)
+
+
+@dataclass
+class ContextLength:
+    """The engine's max-model-len per model, from its /v1/models; None where it does not say."""
+
+    by_model: dict[str, int] | None = None
+    read_at: float | None = None  # monotonic
+    _reading: asyncio.Task[None] | None = None  # one read at a time; refusals meanwhile wait for it
+
+    async def get(self, fetch: Callable[[], Awaitable[tuple[int, bytes]]], model: object) -> int | None:
+        """Max-model-len for `model` (any model of the upstream's when it names none or another: the least).
+
+        fetch: one GET of the upstream's /v1/models, (status, body). A failed read keeps what was known.
+        """
+        if self._reading is None and (self.read_at is None or time.monotonic() - self.read_at > MODELS_REFRESH_S):
+            self.read_at = time.monotonic()
+            self._reading = asyncio.ensure_future(self._read(fetch))
+        if self._reading is not None:
+            reading = self._reading
+            await asyncio.shield(reading)  # a client that goes away does not cancel the others' read
+            if self._reading is reading:
+                self._reading = None
+        known = self.by_model or {}
+        if isinstance(model, str) and model in known:
+            return known[model]
+        return min(known.values()) if known else None
+
+    async def _read(self, fetch: Callable[[], Awaitable[tuple[int, bytes]]]) -> None:
+        try:
+            status, data = await asyncio.wait_for(fetch(), MODELS_TIMEOUT_S)
+        except Exception:  # unknown max-model-len: the refusal is transient, never a failure of its own
+            return
+        if status == 200:
+            self.by_model = parse_models(data)
+
+
+def parse_models(data: bytes) -> dict[str, int]:
+    """`max_model_len` of each model card in a /v1/models answer (vLLM's, the lab's); {} if none says."""
+    if len(data) > MAX_MODELS_BYTES:
+        return {}
+    try:
+        cards = json.loads(data).get("data")
+    except (ValueError, AttributeError, RecursionError):
+        return {}
+    found = {}
+    for card in cards if isinstance(cards, list) else []:
+        if not isinstance(card, dict):
+            continue
+        tokens = card.get("max_model_len")
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+            found[str(card.get("id", ""))] = tokens
+    return found
+
+
+def undecided(size: PromptSize, tokens: int, counted_by: str, max_model_len: int | None) -> bool:
+    """Counted by words, the prompt may or may not reach max-model-len: only the engine's count says whether
+    the refusal is permanent (worth one /tokenize, so a client neither retries in vain nor gives up wrongly),
+    for a prompt of up to DECIDE_BY_TOKENIZE_BYTES of text."""
+    return (counted_by == "words" and max_model_len is not None and size.tokenize_body is not None
+            and tokens < max_model_len and (size.engine_only is not None or size.most_tokens >= max_model_len)
+            and sum(len(t) for t in size.texts) <= DECIDE_BY_TOKENIZE_BYTES)
+
+
+def refusal_for(tokens: int, counted_by: str, limit: Limit, max_model_len: int | None, param: str) -> Refusal:
+    """The refusal of a prompt of `tokens` (a count or, by words, a lower bound) over `limit`."""
+    fit = limit.fit
+    at_least = {"words": "at least ", "byte_bound": "at most "}.get(counted_by, "")
+    counted = f"{at_least}{tokens:,} tokens (counted by {counted_by})"
+    common = {
+        "prompt_tokens": tokens, "prompt_tokens_counted_by": counted_by, "limit_tokens": limit.tokens,
+        "limit_tokens_at_best": max_model_len, "limit_at_best_from": "max_model_len" if max_model_len else None,
+        "max_prefill_tokens": limit.rank_tokens, "in_prefill_tokens": limit.in_prefill_tokens,
+        "node": fit.node, "rank": fit.rank, "hook": limit.hook,
+    }
+    if max_model_len is not None and tokens >= max_model_len and counted_by != "byte_bound":
+        message = (f"memtel guard: This model's maximum context length is {max_model_len:,} tokens. However, your "
+                   f"prompt contains {counted}, which "
+                   f"{'exceeds this limit' if tokens > max_model_len else 'leaves no room for output'}; no retry can "
+                   f"succeed: shorten the prompt (rank {fit.rank} on node {fit.node} can take {limit.tokens:,} tokens "
+                   "now)")
+        body = error_body(INVALID_REQUEST, message, CONTEXT_LENGTH_EXCEEDED, param=param,
+                          reason=CONTEXT_LENGTH_EXCEEDED, retryable=False, max_model_len=max_model_len, **common)
+        return Refusal(400, body, None, should_retry=False, reason=CONTEXT_LENGTH_EXCEEDED)
+    reason = "would_not_fit" if tokens > limit.rank_tokens else "in_prefill"
+    now = (f"rank {fit.rank} on node {fit.node} can take a prefill of at most {limit.rank_tokens:,} tokens now"
+           if reason == "would_not_fit" else
+           f"it fits rank {fit.rank} on node {fit.node} ({limit.rank_tokens:,} tokens) alone, but not beside the "
+           f"{limit.in_prefill_tokens:,} tokens of admitted requests still in their prefill")
+    best = (f"at best {max_model_len:,} tokens (the engine's max-model-len; no hook exports what a rank takes with "
+            "an empty cache)" if max_model_len else "at best: unknown (the upstream's /v1/models names no "
+            "max_model_len)")
+    forecast_line = forecast_words(tokens, limit)
+    message = (f"memtel guard: the prompt has {counted} and does not fit now: {now}; {best}; {forecast_line}; "
+               f"retry in {RETRY_AFTER_S[reason]} s or shorten the prompt")
+    grown = fit.forecast_for(tokens)
+    body = error_body(GUARD_WOULD_NOT_FIT, message, 503, reason=reason, retryable=True, **common,
+                      fit_budget_bytes=_int_or_none(fit.budget_bytes),
+                      forecast_tokens=grown[0] if grown else None,
+                      forecast_bytes=_int_or_none(grown[1]) if grown else None, forecast=forecast_line)
+    return Refusal(503, body, RETRY_AFTER_S[reason], reason=reason)
+
+
+def forecast_words(tokens: int, limit: Limit) -> str:
+    """The forecast against the budget in words that say which way round it is."""
+    fit = limit.fit
+    if fit.budget_bytes is None:
+        return (f"forecast: the longest prefill whose forecast peak fits is {limit.rank_tokens:,} tokens "
+                "(the budget is not exported)")
+    budget = f"the budget of {_gib(fit.budget_bytes)} this rank may still take"
+    if tokens <= limit.rank_tokens:
+        return (f"forecast: a prefill of {tokens:,} tokens alone peaks within {budget}; the prefills still running "
+                f"hold {limit.in_prefill_tokens:,} of its {limit.rank_tokens:,} tokens")
+    grown = fit.forecast_for(tokens)
+    if grown is None:
+        return (f"forecast: a prefill of more than {limit.rank_tokens:,} tokens peaks above {budget} (the hook "
+                f"forecasts no length at or above {tokens:,})")
+    length, growth = grown
+    if growth > fit.budget_bytes:
+        return (f"forecast: a prefill of {length:,} tokens grows the reserved memory by {_gib(growth)}, which "
+                f"exceeds {budget}, and its peak is higher still")
+    return (f"forecast: a prefill of {length:,} tokens leaves {_gib(growth)} more reserved after it, below {budget}, "
+            f"but its peak during the prefill exceeds it: the longest prefill whose forecast peak fits is "
+            f"{limit.rank_tokens:,} tokens")
+
+
+def uncountable(size: PromptSize, limit: Limit) -> Refusal:
+    """A prompt whose only bound is over the limit and that nobody can count (prompt_embeds): refused, never
+    guessed low."""
+    message = (f"memtel guard: prompt_embeds cannot be counted by the guard or the engine's /tokenize; bounded by "
+               f"their bytes the prompt may have up to {size.most_tokens:,} tokens, over the {limit.tokens:,} that "
+               "fit now; send token ids or text through the guard")
+    body = error_body(GUARD_BAD_REQUEST, message, 400, param="prompt_embeds", reason="uncountable",
+                      retryable=False, prompt_tokens=size.most_tokens, prompt_tokens_counted_by="embedding_bytes",
+                      limit_tokens=limit.tokens)
+    return Refusal(400, body, None, should_retry=False, reason="bad_request")
+
+
+def _gib(value: float) -> str:
+    return f"{value / (1 << 30):,.2f} GiB"
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return int(value) if value is not None and value == value and abs(value) != float("inf") else None
+
+
+__all__ = ["CONTEXT_LENGTH_EXCEEDED", "INVALID_REQUEST", "MODELS_PATH", "RETRY_AFTER_S", "SHOULD_RETRY",
+           "ContextLength", "Refusal", "error_body", "forecast_words", "parse_models", "refusal_for", "uncountable",
+           "undecided"]

@@ -1,0 +1,278 @@
+"""The search of `memtel tune`: every setting of a space, ranked by the longest prefill that fits a memory limit,
+from one allocator state, on the simulator (`telemetry.model.indexer.fit.max_prefill_tokens`).
+
+Rank: the longest prefill that fits (every shorter one fitting too), then fewer launches per prefill of the
+target length (the cost of a smaller budget or chunk), then the lower peak reserved at the target, then fewer
+device allocations. Only the top `top` settings (and the process's own) need their exact answer, so:
+
+1. settings that behave alike are simulated once: allocator settings that parse to the same configuration, and
+   logits budgets that split no launch of the longest prefill (every such budget gives the same launches);
+2. screen: one simulated prefill of max-model-len tokens per setting bounds its fit from above (where it runs
+   out of memory, no longer prefill fits; fit.py); a setting whose first launch cannot fit beside the live bytes
+   is bounded by 0 without simulating;
+3. branch and bound: settings are searched in full in the order of their bounds (cheapest first among equal
+   bounds); once the top is full, a setting whose bound is below the top's last fit (or equal to it, with more
+   launches) cannot enter it and is not searched; one that ties it on fit and launches is searched only if its
+   target-length peak is lower;
+4. inside one setting, `max_prefill_tokens` bisects on the length (fit.py: one long prefill answers every chunk
+   boundary; a search inside the classes of the last chunk).
+
+Not searched: `max_non_split_rounding_mb`, `per_process_memory_fraction` and the allocator backend (kept as the
+process has them), private memory pools, CUDA graphs, the engine's other activations (a larger chunk also
+grows the model's own activations, which the indexer model does not hold), KV-cache size per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from telemetry.errors import ConfigError
+from telemetry.model.allocsim.config import parse_alloc_conf
+from telemetry.model.allocsim.snapshot import AllocatorState
+from telemetry.model.indexer.fit import MaxFit, max_prefill_tokens
+from telemetry.model.indexer.forecast import Forecast, simulate_prefill
+from telemetry.model.indexer.planner import check_mode, plan_prefill
+from telemetry.model.indexer.prefill import LaunchPattern
+from telemetry.model.indexer.shape import FLOAT32_BYTES, MAX_BUDGET_BYTES, IndexerShape
+from telemetry.model.tune.space import Expanded, Setting
+
+DEFAULT_TOP = 5
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is searched: the state, the process's shape, the memory limit and the target length.
+
+    limit_bytes: what the allocator may reserve in all (the simulator's capacity); total_memory: the device's
+    total (a memory fraction's base; None: unknown); release_cache_on_oom: False where the limit is a share of
+    a node the allocator does not see (fit.py).
+    """
+
+    state: AllocatorState
+    base: IndexerShape
+    limit_bytes: int
+    target_tokens: int
+    pattern: LaunchPattern = field(default_factory=LaunchPattern)
+    total_memory: int | None = None
+    release_cache_on_oom: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_tokens, bool) or not isinstance(self.target_tokens, int) or self.target_tokens < 1:
+            raise ConfigError(f"the target length must be a positive number of tokens, got {self.target_tokens!r}")
+        live = self.state.counters.allocated_bytes
+        if isinstance(self.limit_bytes, bool) or not isinstance(self.limit_bytes, int) or self.limit_bytes < live:
+            raise ConfigError(f"the memory limit ({self.limit_bytes!r} bytes) is below the state's live bytes "
+                              f"({live:,} bytes = {live / 2**30:.2f} GiB): no prefill can fit; give more memory")
+        if self.target_tokens > self.base.max_model_len:
+            raise ConfigError(f"--target-tokens {self.target_tokens:,} is longer than max-model-len "
+                              f"{self.base.max_model_len:,} (raise --max-model-len, or ask for a shorter target)")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One setting's answer. fit: its exact longest prefill (None when pruned); fit_at_most: the bound a pruned
+    setting was shown to stay within; target: the forecast of a target-length prefill within the limit (None
+    when pruned); launches: logits launches of a target-length prefill, all layers; same_as: the setting whose
+    simulation this one shares (it behaves alike)."""
+
+    setting: Setting
+    launches: int
+    fit: MaxFit | None = None
+    fit_at_most: int | None = None
+    target: Forecast | None = None
+    pruned: str | None = None
+    same_as: Setting | None = None
+
+    @property
+    def fit_tokens(self) -> int:
+        return self.fit.tokens if self.fit is not None else -1
+
+    def rank_key(self) -> tuple[int, int, int, int]:
+        peak = self.target.peak_reserved_bytes if self.target is not None else 2**63
+        allocs = self.target.num_device_alloc if self.target is not None else 2**31
+        return (-self.fit_tokens, self.launches, peak, allocs)
+
+    def as_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"setting": self.setting.as_json(), "launches_per_prefill": self.launches,
+                               "max_fit_tokens": self.fit.tokens if self.fit is not None else None,
+                               "max_fit_at_most": self.fit_at_most, "pruned": self.pruned}
+        if self.target is not None:
+            doc.update(peak_reserved_bytes_at_target=self.target.peak_reserved_bytes,
+                       peak_growth_bytes_at_target=self.target.peak_growth_bytes,
+                       num_device_alloc_at_target=self.target.num_device_alloc,
+                       target_out_of_memory=self.target.out_of_memory)
+        if self.same_as is not None:
+            doc["same_as"] = self.same_as.as_json()
+        return doc
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    problem: Problem
+    ranked: tuple[Outcome, ...]     # fully searched, best first
+    pruned: tuple[Outcome, ...]     # ruled out of the top, with the bound they were shown to stay within
+    process: Outcome                # the process's own setting (also in ranked when it made the top)
+    left_out: tuple[str, ...]       # what the space left out and why
+    settings: int                   # settings in the space
+    simulations: int                # simulated prefills in all
+    cpu_seconds: float
+
+    @property
+    def best(self) -> Outcome:
+        return self.ranked[0]
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.simulations = 0
+
+
+def launches_per_prefill(shape: IndexerShape, mode: str, tokens: int) -> int:
+    """Logits launches of a cold prefill of `tokens` (every layer)."""
+    return shape.layers * sum(len(launches) for _, launches in plan_prefill(tokens, shape, check_mode(mode)))
+
+
+def _largest_launch_bytes(shape: IndexerShape, mode: str, tokens: int,
+                          pattern: LaunchPattern | None = None) -> int:
+    """The largest logits launch of a cold prefill of `tokens`, in bytes (its rows scaled as `pattern` says)."""
+    rows = (pattern or LaunchPattern()).rows
+    return max((rows(launch.rows) * launch.width * FLOAT32_BYTES
+                for _, launches in plan_prefill(tokens, shape, check_mode(mode))
+                for launch in launches), default=0)
+
+
+def _budget_key(shape: IndexerShape, mode: str) -> int:
+    """The budget as far as it matters: a budget that splits no launch of the longest prefill acts as any
+    larger one (the same launches at every length, since no shorter prefill has a larger launch)."""
+    unsplit = dataclasses.replace(shape, logits_budget_bytes=MAX_BUDGET_BYTES)
+    whole = _largest_launch_bytes(unsplit, mode, shape.max_model_len)
+    return -1 if shape.logits_budget_bytes >= whole else shape.logits_budget_bytes
+
+
+def _behaviour_key(problem: Problem, setting: Setting) -> tuple[Any, ...]:
+    conf = dataclasses.replace(parse_alloc_conf(setting.alloc_conf), source="")
+    shape = setting.shape(problem.base)
+    return (conf, _budget_key(shape, setting.mode), setting.chunk, setting.mode)
+
+
+def _simulate(problem: Problem, setting: Setting, tokens: int, counter: _Counter) -> Forecast:
+    counter.simulations += 1
+    forecast, _ = simulate_prefill(problem.state, setting.shape(problem.base), tokens, mode=setting.mode,
+                                   alloc_conf=setting.alloc_conf, pattern=problem.pattern,
+                                   capacity_bytes=problem.limit_bytes, total_memory=problem.total_memory,
+                                   release_cache_on_oom=problem.release_cache_on_oom)
+    return forecast
+
+
+def evaluate(problem: Problem, setting: Setting, counter: _Counter | None = None) -> Outcome:
+    """One setting searched in full: its longest fit and its target-length prefill."""
+    counter = counter or _Counter()
+    shape = setting.shape(problem.base)
+    fit = max_prefill_tokens(problem.state, shape, limit_bytes=problem.limit_bytes, mode=setting.mode,
+                             alloc_conf=setting.alloc_conf, pattern=problem.pattern,
+                             total_memory=problem.total_memory, release_cache_on_oom=problem.release_cache_on_oom)
+    counter.simulations += fit.simulations
+    target = _simulate(problem, setting, problem.target_tokens, counter)
+    return Outcome(setting, launches_per_prefill(shape, setting.mode, problem.target_tokens), fit=fit, target=target)
+
+
+def _upper_bound(problem: Problem, setting: Setting, counter: _Counter) -> int:
+    """A bound its exact fit cannot exceed, from one simulated prefill of max-model-len tokens: where that one
+    runs out of memory in a chunk step, no prefill that completes that step fits (fit.py, step 1)."""
+    top = problem.base.max_model_len
+    shape = setting.shape(problem.base)
+    floor = problem.state.counters.allocated_bytes + _largest_launch_bytes(shape, setting.mode, 1, problem.pattern)
+    if floor > problem.limit_bytes:
+        return 0   # not even the first launch of one token fits beside the live bytes
+    counter.simulations += 1
+    forecast, watch = simulate_prefill(problem.state, shape, top, mode=setting.mode, alloc_conf=setting.alloc_conf,
+                                       pattern=problem.pattern, capacity_bytes=problem.limit_bytes,
+                                       total_memory=problem.total_memory,
+                                       release_cache_on_oom=problem.release_cache_on_oom)
+    if not forecast.out_of_memory:
+        return top
+    step = max(watch.step, 0)
+    return min(step * shape.chunk + shape.chunk, top) - 1
+
+
+def tune(problem: Problem, expanded: Expanded, process: Setting, *, top: int = DEFAULT_TOP,
+         progress: Callable[[int, int], None] | None = None) -> TuneResult:
+    """Search `expanded`'s settings for `problem` (module docstring). `process` is the process's own setting,
+    searched in full whatever its rank. progress(done, total) is called after each setting screened and each
+    searched in full."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ConfigError(f"top must be a positive integer, got {top!r}")
+    started = time.process_time()
+    counter = _Counter()
+    target = problem.target_tokens
+    # 1. Screen: settings that behave alike once, each with its bound from one long prefill.
+    groups: dict[tuple[Any, ...], list[Setting]] = {}
+    for setting in expanded.settings:
+        groups.setdefault(_behaviour_key(problem, setting), []).append(setting)
+    launches = {s: launches_per_prefill(s.shape(problem.base), s.mode, target) for s in expanded.settings}
+    for members in groups.values():
+        members.sort(key=lambda s: launches[s])
+    total = len(groups) * 2
+    bounds: dict[tuple[Any, ...], int] = {}
+    for index, (key, members) in enumerate(groups.items()):
+        bounds[key] = _upper_bound(problem, members[0], counter)
+        if progress is not None:
+            progress(index + 1, total)
+    # 2. Search in full, best bound first (cheapest first among equal bounds), until no bound can enter the top.
+    order = sorted(groups, key=lambda k: (-bounds[k], launches[groups[k][0]]))
+    ranked: list[Outcome] = []
+    pruned: list[Outcome] = []
+    for index, key in enumerate(order):
+        members = groups[key]
+        lead = members[0]
+        bound = bounds[key]
+        last = ranked[-1] if len(ranked) >= top else None
+        why = None
+        if last is not None and (bound < last.fit_tokens
+                                 or (bound == last.fit_tokens and launches[lead] > last.launches)):
+            why = f"its longest fit is at most {bound:,} tokens (one prefill of max-model-len), below the top"
+        elif last is not None and bound == last.fit_tokens and last.target is not None:
+            probe = _simulate(problem, lead, target, counter)   # ties on fit and launches: the peak decides
+            if probe.peak_reserved_bytes >= last.target.peak_reserved_bytes:
+                why = "ties the top's last on fit and launches at a peak no lower"
+        if why is not None:
+            pruned += [Outcome(s, launches[s], fit_at_most=bound, pruned=why) for s in members]
+        else:
+            outcome = evaluate(problem, lead, counter)
+            ranked += [outcome] + [dataclasses.replace(outcome, setting=s, launches=launches[s], same_as=lead)
+                                   for s in members[1:]]
+            ranked.sort(key=Outcome.rank_key)
+            while len(ranked) > top:
+                pruned.append(dataclasses.replace(ranked.pop(), pruned="below the top"))
+        if progress is not None:
+            progress(len(groups) + index + 1, total)
+    mine = next((o for o in ranked if o.setting == process), None)
+    if mine is None:   # today's setting, even outside the space, is ranked with the others (it may be the best)
+        mine = evaluate(problem, process, counter)
+        ranked = sorted([*ranked, mine], key=Outcome.rank_key)
+        if len(ranked) > top:
+            pruned.append(dataclasses.replace(ranked.pop(), pruned="below the top"))
+    return TuneResult(problem, tuple(ranked), tuple(pruned), mine, expanded.left_out, len(expanded.settings),
+                      counter.simulations, time.process_time() - started)
+
+
+def suggest_utilization(outcome: Outcome, problem: Problem, current: float, total_memory: int) -> float | None:
+    """The engine's memory share (vLLM's gpu_memory_utilization, SGLang's mem_fraction_static) that leaves a
+    target-length prefill of `outcome`'s setting room within the limit: the current share plus what the limit
+    leaves beyond the state once that prefill's peak growth is added, as a fraction of the device's total,
+    rounded down to 0.01. Assumes the state's reserved memory is what the current share covers (a serving
+    process at rest). None when the target prefill does not fit or the share would leave (0, 1]."""
+    target = outcome.target
+    if target is None or target.out_of_memory or total_memory <= 0:
+        return None
+    spare = problem.limit_bytes - problem.state.counters.reserved_bytes - target.peak_growth_bytes
+    share = int((current + spare / total_memory) * 100) / 100
+    return share if 0.0 < share <= 1.0 else None
+
+
+__all__ = ["DEFAULT_TOP", "Outcome", "Problem", "TuneResult", "evaluate", "launches_per_prefill", "suggest_utilization",
+           "tune"]

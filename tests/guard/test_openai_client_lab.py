@@ -1,0 +1,57 @@
+"""The OpenAI Python client against a real `memtel guard` in front of a real lab node (`memtel lab serve`).
+
+The node of `memtel demo --guard` (1.5 GiB, max-model-len 1,100,000, the limit about 401,244 at rest): a
+prompt over max-model-len is a permanent BadRequestError at once, with the client's default retries; one
+within max-model-len but over the limit is a transient 503 the client would retry.
+"""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from harness.demo.guarded import prompt_text
+from tests.guard.test_lab_guard import Node, scrape
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 1_100_000
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    node = Node(tmp_path_factory.mktemp("lab-openai"))
+    try:
+        node.start()
+        url, metrics = node.guard()
+        yield node, url, metrics
+    finally:
+        node.stop()
+
+
+def test_the_openai_client_gets_a_permanent_bad_request_from_the_lab_guard_without_retrying(lab):
+    node, url, metrics = lab
+    prompt = prompt_text(MAX_MODEL_LEN + 100_000, seed=11)
+    prompt_tokens_before = node.metric("vllm:prompt_tokens_total")
+    started = time.perf_counter()
+    with openai.OpenAI(base_url=url + "/v1", api_key="k") as client, \
+            pytest.raises(openai.BadRequestError) as caught:  # default max_retries=2
+        client.completions.create(model="lab", prompt=prompt, max_tokens=4)
+    assert time.perf_counter() - started < 1.0
+    assert caught.value.code == "context_length_exceeded"
+    assert caught.value.body["max_model_len"] == MAX_MODEL_LEN  # read from the lab's /v1/models
+    # One call, one refusal: the client did not retry (the review's 503 was counted three times).
+    assert scrape(f"http://127.0.0.1:{metrics}/metrics")["memtel_guard_rejected_total"] == 1.0
+    assert node.metric("vllm:prompt_tokens_total") == prompt_tokens_before and node.healthy()
+
+
+def test_the_openai_client_gets_a_transient_503_for_a_prompt_within_max_model_len(lab):
+    node, url, _ = lab
+    with openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as client, \
+            pytest.raises(openai.InternalServerError) as caught:
+        client.completions.create(model="lab", prompt=prompt_text(1_048_576, seed=12), max_tokens=4)
+    response = caught.value.response
+    assert response.status_code == 503 and response.headers["x-should-retry"] == "true"
+    assert response.headers["retry-after"] == "10" and node.healthy()
