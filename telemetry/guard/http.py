@@ -328,7 +328,8 @@ class ServerSide(_Side):
     async def read_body(self, max_bytes: int, read_s: float, send_s: float) -> bytes:
         """The request's body, whole (de-chunked); HttpError(413) past `max_bytes`, TimeoutError past a deadline."""
         if self.h11.client_is_waiting_for_100_continue:
-            await self._send(h11.InformationalResponse(status_code=100, headers=[]), timeout_s=send_s)
+            await self._send(h11.InformationalResponse(status_code=100, reason=_reason(100), headers=[]),
+                             timeout_s=send_s)
         parts: list[bytes] = []
         size = 0
         while True:

@@ -3,8 +3,10 @@
 One asyncio event loop serves every client connection and the hooks' scrapes; a request costs no
 thread. `/v1/completions` and `/v1/chat/completions` are sized (telemetry/guard/prompt.py) and decided
 against the limit in force (telemetry/guard/limit.py): admitted requests go upstream unchanged and hold
-their tokens until the upstream sends the first byte of the response's body (the prefill is over), refused
-ones get a 503 with `Retry-After` and an OpenAI-style error body. The paths in `PASS_THROUGH` go upstream
+their tokens until the upstream sends the first byte of the response's body (the prefill is over); refused
+ones get an OpenAI-style error (telemetry/guard/refusal.py): 400 with `x-should-retry: false` for a prompt no
+retry can fit (over the engine's max-model-len), 503 with `Retry-After` and `x-should-retry: true` for one that
+does not fit now. The paths in `PASS_THROUGH` go upstream
 unchanged. Any other path is answered 404 here: an endpoint that runs a prefill the guard does not size
 (`/v1/embeddings`, SGLang's `/generate`) must not reach the engine around it.
 

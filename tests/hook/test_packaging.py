@@ -44,9 +44,10 @@ def core_requirements(python: Path) -> set[str]:
                          cwd=python.parents[2])
     return {"memtel", *(name.lower().replace("_", "-") for name in json.loads(out.stdout))}
 VENV_TOOLS = {"pip", "setuptools", "wheel"}
-# Never in a serving environment: the harness extra and what it pulls (matplotlib's numpy among them).
+# Never in a serving environment: the harness extra and what it pulls (matplotlib's numpy among them). h11 is not
+# here: the guard's HTTP framing is in the core (pure Python, no dependencies of its own).
 HARNESS_ONLY = {"matplotlib", "rich", "httpx", "numpy", "pillow", "contourpy", "kiwisolver", "fonttools",
-                "cycler", "pyparsing", "httpcore", "anyio", "h11", "markdown-it-py", "pygments", "mdurl"}
+                "cycler", "pyparsing", "httpcore", "anyio", "markdown-it-py", "pygments", "mdurl"}
 
 
 def _record_line(name: str, data: bytes) -> str:
