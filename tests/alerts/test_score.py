@@ -5,7 +5,6 @@ and the protect action agreeing with MemtelUnifiedHeadroomFalling on every timel
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
 import re
@@ -13,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,9 +21,9 @@ import yaml
 from telemetry.alerts.cli import default_rules
 from telemetry.alerts.score import score
 from telemetry.alerts.timeline import load_timeline, timeline_paths
-from telemetry.cli import main
 from telemetry.daemon.protect import Protect, ProtectConfig, start_remaining_bytes
 from tests.alerts import make_corpus
+from tests.support.cli import call_main
 
 CORPUS = make_corpus.CORPUS
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,13 +38,8 @@ STARTS = ("spark-start-0.70", "spark-start-0.85", "spark-start-0.90", "spark-res
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exit_:
-            code = int(exit_.code or 0)
-    return code, out.getvalue(), err.getvalue()
+    run = call_main(list(argv))
+    return run.returncode, run.stdout, run.stderr
 
 
 # -- fast: the corpus files and bad input -------------------------------------------------------------------

@@ -5,10 +5,8 @@ naming the file, the line and what is wrong (or the cap), exit 2, before promtoo
 
 from __future__ import annotations
 
-import io
 import json
 import time
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -17,21 +15,16 @@ from telemetry.alerts import timeline as timeline_module
 from telemetry.alerts.cli import default_rules
 from telemetry.alerts.score import score
 from telemetry.alerts.timeline import load_timeline
-from telemetry.cli import main
 from telemetry.errors import ConfigError
+from tests.support.cli import call_main
 
 T0 = 1_764_547_200.0
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
-    """`memtel ARGV` in-process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exit_:
-            code = int(exit_.code or 0)
-    return code, out.getvalue(), err.getvalue()
+    """`memtel ARGV` in-process (tests/support/cli.py): (exit code, stdout, stderr)."""
+    run = call_main(list(argv))
+    return run.returncode, run.stdout, run.stderr
 
 
 HEADER = {"memtel_timeline": {"outcome": "failure", "failure_at": T0 + 30, "node": "spark-a",

@@ -4,27 +4,20 @@ line, the address written out in hex). Both readers of a snapshot file, `memtel 
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
-from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-from telemetry.cli import main
+from tests.support.cli import call_main
 
 MIB = 1 << 20
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
-    """`memtel ARGV` in-process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exit_:
-            code = int(exit_.code or 0)
-    return code, out.getvalue(), err.getvalue()
+    """`memtel ARGV` in-process (tests/support/cli.py): (exit code, stdout, stderr)."""
+    run = call_main(list(argv))
+    return run.returncode, run.stdout, run.stderr
 
 
 @pytest.fixture

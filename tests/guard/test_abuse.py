@@ -14,16 +14,9 @@ import pytest
 
 from telemetry.guard.limit import HookTarget, LimitTracker, RankFit, parse_hook
 from telemetry.guard.proxy import GuardLimits
-from tests.guard.servers import RunningGuard, StubHook, StubUpstream, exposition, request
+from tests.guard.servers import RunningGuard, StubHook, exposition, request
 
 LIMIT = 1000
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    server = StubUpstream()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,9 @@ import time
 import pytest
 
 from telemetry.guard.proxy import GuardLimits
-from tests.guard.servers import RunningGuard, StubHook, StubUpstream, exposition, request
+from tests.guard.servers import RunningGuard, StubHook, exposition, request
 
 LIMIT = 1000
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    server = StubUpstream()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

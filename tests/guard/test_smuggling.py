@@ -19,13 +19,6 @@ BIG = json.dumps({"prompt": "w " * 5000}).encode()  # 5,000 words: refused by th
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    server = StubUpstream()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def guard(upstream):
     hook = StubHook(lambda: exposition(LIMIT))
     running = RunningGuard(upstream.url, [hook.url], limits=GuardLimits(max_body_bytes=1 << 20))
