@@ -32,6 +32,7 @@ from pathlib import Path
 from benchmarks.machine import machine
 from telemetry.alerts.score import as_text, score
 from telemetry.alerts.timeline import Outcome, Record, Timeline
+from telemetry.catalogue.metrics import UNIFIED_HEADROOM, UNIFIED_HEADROOM_WITHOUT_RECLAIM
 
 GIB = 1 << 30
 RULES = Path(__file__).resolve().parents[1] / "dashboards" / "prometheus"
@@ -136,9 +137,8 @@ def run_live(args: argparse.Namespace, paths: list[Path], scratch: Path, daemon_
             "reads": reads, "drops": drops,
             "fired": query(prom_port, f'max_over_time(ALERTS{{alertstate="firing"}}[{minutes}m])'),
             "seconds": query(prom_port, f'count_over_time(ALERTS{{alertstate="firing"}}[{minutes}m])'),
-            "lowest": query(prom_port, f"min_over_time(memtel_node_unified_headroom_bytes[{minutes}m])"),
-            "lowest_old": query(prom_port,
-                                f"min_over_time(memtel_node_unified_headroom_without_reclaim_bytes[{minutes}m])"),
+            "lowest": query(prom_port, f"min_over_time({UNIFIED_HEADROOM.series}[{minutes}m])"),
+            "lowest_old": query(prom_port, f"min_over_time({UNIFIED_HEADROOM_WITHOUT_RECLAIM.series}[{minutes}m])"),
         }
     finally:
         stop(prometheus)

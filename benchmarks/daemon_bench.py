@@ -37,6 +37,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import machine  # noqa: E402
+from telemetry.catalogue.metrics import KERNEL_PATTERN  # noqa: E402
 from tests.support.kmsg import DAEMON_COUNTS_TEST_LINES, SKIP_REASON, opted_in, write_kmsg  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
@@ -148,7 +149,7 @@ COMPARE_URLS: dict[str, str] = {}
 
 def line_to_counter(url: str, pattern: str, token: str, lines: int) -> dict[str, float]:
     latencies = []
-    metric = f'memtel_kernel_pattern_matches_total{{pattern="{pattern}"}} '
+    metric = f'{KERNEL_PATTERN[0].series}{{pattern="{pattern}"}} '
     with httpx.Client(timeout=10) as client:
 
         def current() -> float:

@@ -38,6 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.daemon_bench import cpu_seconds, percentile, start_daemon, wait_http  # noqa: E402
 from benchmarks.machine import machine  # noqa: E402
+from telemetry.catalogue import FAMILIES  # noqa: E402
+from telemetry.catalogue.metrics import (  # noqa: E402
+    COLLECTOR_DURATION,
+    FLIGHT_LAST_RECORD_BYTES,
+    FLIGHT_LAST_WRITE_DURATION,
+)
 from telemetry.flight.recorder import FlightRecorder, series_key  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
@@ -83,8 +89,8 @@ def cpu_at_one_scrape_a_second(urls: dict[str, str], pids: dict[str, int], secon
                 text = client.get(url).text
                 if name == "with_recorder":
                     values = values_of(text)
-                    record_bytes.append(values["memtel_flight_last_record_bytes"])
-                    write_seconds.append(values["memtel_flight_last_write_duration_seconds"])
+                    record_bytes.append(values[FLIGHT_LAST_RECORD_BYTES.series])
+                    write_seconds.append(values[FLIGHT_LAST_WRITE_DURATION.series])
             time.sleep(max(0.0, start + i + 1 - time.monotonic()))
     wall = time.monotonic() - start
     return {
@@ -161,8 +167,9 @@ def main() -> int:
         }
         result.update(cpu_at_one_scrape_a_second(urls, {n: p.pid for n, p in procs.items()}, args.cpu_seconds))
         series = values_of(httpx.get(urls["with_recorder"], timeout=10).text)
-        recorded = {k: v for k, v in series.items() if not k.startswith(("memtel_flight_", "memtel_exporter_",
-                                                                           "process_", "memtel_collector_duration"))}
+        not_recorded = (*(name for entry in FAMILIES.values() if entry.source in ("flight", "exporter")
+                          for name in entry.sample_names), COLLECTOR_DURATION.series, "process_")
+        recorded = {k: v for k, v in series.items() if not k.startswith(not_recorded)}
         result["ring_writes_in_process"] = ring_writes(base, recorded, args.records)
     finally:
         for proc in procs.values():

@@ -11,7 +11,11 @@ variants interleave in blocks of 50 so load on a shared machine hits both alike.
 2. chunk: for each streamed event, its arrival time at the client less the time the upstream wrote it,
    direct and through the guard: p50, p99; added = the difference of p50s.
 
-    PYTHONPATH=. python benchmarks/guard_bench.py [--requests 2000] [--streams 40] [--chunks 50] [--json out.json]
+With --replicas N (N > 1) the guard fronts N such upstreams (`--replica URL=HOOK` each, its /health polled),
+and "direct" goes to the first: the guard's choice of the replica with the most room is in the added time.
+
+    PYTHONPATH=. python benchmarks/guard_bench.py [--requests 2000] [--streams 40] [--chunks 50] [--replicas N]
+                                                  [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import machine
 from harness.ports import free_port
+from telemetry.catalogue.metrics import FORECAST_FIT_BUDGET, FORECAST_LAST_SUCCESS, FORECAST_MAX_PREFILL_TOKENS
 
 ANSWER = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "bench",
                      "choices": [{"index": 0, "text": " alpha beta gamma delta", "finish_reason": "length"}],
                      "usage": {"prompt_tokens": 100, "completion_tokens": 4, "total_tokens": 104}}).encode()
-HOOK_TEXT = ('memtel_forecast_max_prefill_tokens{rank="0",node="bench"} 1000000\n'
-             'memtel_forecast_fit_budget_bytes{rank="0",node="bench"} 8e9\n'
-             'memtel_forecast_last_success_timestamp_seconds{rank="0",node="bench"} %r\n')
+HOOK_TEXT = "".join(f'{entry.series}{{rank="0",node="bench"}} {value}\n' for entry, value in (
+    (FORECAST_MAX_PREFILL_TOKENS, "1000000"), (FORECAST_FIT_BUDGET, "8e9"), (FORECAST_LAST_SUCCESS, "%r")))
 
 
 class _Server(ThreadingHTTPServer):
@@ -89,13 +93,16 @@ def start_upstream(chunks: int, gap_s: float) -> _Server:
     return server
 
 
-def start_guard(upstream_port: int, hook_port: int) -> tuple[subprocess.Popen, int]:
+def start_guard(upstream_ports: list[int]) -> tuple[subprocess.Popen, int]:
+    """The guard in front of the upstreams (each its own hook too): one as --upstream/--hooks, several as --replica."""
     port = free_port()
     root = Path(__file__).resolve().parents[1]
+    urls = [f"http://127.0.0.1:{p}" for p in upstream_ports]
+    engines = ["--upstream", urls[0], "--hooks", urls[0]] if len(urls) == 1 else \
+        [arg for url in urls for arg in ("--replica", f"{url}={url}")]
     process = subprocess.Popen(
-        [sys.executable, "-m", "telemetry", "guard", "--upstream", f"http://127.0.0.1:{upstream_port}",
-         "--listen", f"127.0.0.1:{port}", "--hooks", f"http://127.0.0.1:{hook_port}", "--log-level", "WARNING",
-         "--when-blind", "reject"],  # a 200 below means the limit is known: the requests are decided
+        [sys.executable, "-m", "telemetry", "guard", *engines, "--listen", f"127.0.0.1:{port}", "--log-level",
+         "WARNING", "--when-blind", "reject"],  # a 200 below means the limit is known: the requests are decided
         cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -151,11 +158,13 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=50, help="events per stream")
     parser.add_argument("--gap-ms", type=float, default=2.0, help="time between events")
     parser.add_argument("--prompt-words", type=int, default=100)
+    parser.add_argument("--replicas", type=int, default=1, help="upstreams behind the guard (--replica each)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    upstream = start_upstream(args.chunks, args.gap_ms / 1e3)
-    guard, guard_port = start_guard(upstream.server_address[1], upstream.server_address[1])
+    upstreams = [start_upstream(args.chunks, args.gap_ms / 1e3) for _ in range(max(1, args.replicas))]
+    upstream = upstreams[0]
+    guard, guard_port = start_guard([u.server_address[1] for u in upstreams])
     body = json.dumps({"model": "bench", "prompt": "word " * args.prompt_words, "max_tokens": 4}).encode()
     stream_body = json.dumps({"model": "bench", "prompt": "word " * args.prompt_words, "stream": True}).encode()
     try:
@@ -178,9 +187,11 @@ def main() -> int:
     finally:
         guard.terminate()
         guard.wait(10)
-        upstream.shutdown()
+        for server in upstreams:
+            server.shutdown()
     result: dict[str, Any] = {
         "machine": machine(), "load_average": os.getloadavg(), "requests": len(times["direct"]),
+        "replicas": len(upstreams),
         "request": {name: percentiles(values) for name, values in times.items()},
         "chunk": {name: percentiles(values) for name, values in chunk_delays.items()},
         "chunks": len(chunk_delays["direct"]),

@@ -178,20 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     # Where the hook's time goes: its parts alone, the record path without sinks, the hooked call
     # with the garbage collector off (nothing the hook keeps past a call is tracked by it: queued log
     # records are strings; this variant checks that the collector costs nothing).
-    from telemetry.hook import allocator, guards
+    from telemetry.hook import allocator, passthrough
     from telemetry.hook.record import Recorder
     from telemetry.hook.state import HookState
+    from telemetry.hook.targets import parse_target
     from telemetry.procfs.meminfo import parse_available_and_swap_free as available_and_swap_free
     bare_state = HookState(node="bench", targets={}, started=True)
     bare_recorder = Recorder(bare_state, None, MeminfoReader(), record_shape=False, on_first_record=lambda: None)
     data = MeminfoReader().read_bytes()
     hook_meminfo = MeminfoReader()
     info["meminfo_reader"] = "compiled" if hook_meminfo.compiled else "python (not built)"
-    parts = {"part_guard": guards.passing_through, "part_allocator_reader": allocator.current_reader().read,
+    parts = {"part_passthrough": passthrough.passing_through, "part_allocator_reader": allocator.current_reader().read,
              "part_meminfo_read_and_fields": hook_meminfo.available_and_swap_free,
              "part_meminfo_read_and_fields_python": MeminfoReader(compiled=False).available_and_swap_free,
              "part_meminfo_fields_python": lambda: available_and_swap_free(data), "part_time_ns": time.time_ns,
-             "record_without_sinks": lambda: bare_recorder.record("bench", (), {}),
+             "record_without_sinks": bare_recorder.wrap(bare, parse_target(f"{module.__name__}:noop")),
              "hooked_gc_off": hooked}
     if cuda:
         parts["part_capture_query"] = torch._C._cuda_isCurrentStreamCapturing

@@ -1,11 +1,13 @@
 """What `memtel tune`'s search costs: CPU time of the whole search from an allocator state of N segments.
 
     PYTHONPATH=. python benchmarks/tune_bench.py [--segments 556] [--spare-gb -1.8,0.3] [--max-model-len 204800]
-                                                 [--target-tokens 131072] [--snapshot FILE] [--shape-args ...]
+                                                 [--target-tokens 131072] [--snapshot FILE] [--layers 45]
+                                                 [--chunk 8192] [--budget-mb 512] [--topk 0] [--profile FILE]
 
 The state (unless --snapshot): forecast_bench.py's, made on the simulator from nothing: N segments, alternately
 a small-pool one (two 1 MiB blocks) and a large one (one block of 10-16 MiB), half of them freed (cached, free).
-The shape: the reference (45 layers, 8,192-token chunks, ratio 4, 512 MiB budget), max-model-len as given.
+The shape: the reference (45 layers, 8,192-token chunks, ratio 4, 512 MiB budget, no top-k) unless given,
+max-model-len as given.
 The memory: the state's reserved bytes plus --spare-gb (negative: below it, so the cache must be freed).
 The space: `memtel tune`'s default (720 settings). Prints one line per memory and a JSON document at the end.
 """
@@ -66,22 +68,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=204_800)
     parser.add_argument("--layers", type=int, default=45)
     parser.add_argument("--target-tokens", type=int, default=131_072)
+    parser.add_argument("--chunk", type=int, default=8192)
+    parser.add_argument("--budget-mb", type=int, default=512)
+    parser.add_argument("--topk", type=int, default=0)
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--profile", type=Path, default=None, help="write cProfile stats of the searches here")
     args = parser.parse_args(argv)
     from telemetry.model.allocsim.snapshot import load_allocator_state
     from telemetry.model.indexer.shape import REFERENCE_SHAPE
 
     state = load_allocator_state(args.snapshot) if args.snapshot else synthetic_state(args.segments)
-    shape = dataclasses.replace(REFERENCE_SHAPE, max_model_len=args.max_model_len, layers=args.layers)
+    shape = dataclasses.replace(REFERENCE_SHAPE, max_model_len=args.max_model_len, layers=args.layers, chunk=args.chunk,
+                                logits_budget_bytes=args.budget_mb * MIB, topk=args.topk)
     print(f"state: {len(state.segments)} segments, {state.live_blocks()} live blocks, "
           f"{state.counters.reserved_bytes / MIB:,.0f} MiB reserved; shape {shape}", flush=True)
     rows = []
+    profiler = None
+    if args.profile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()
     for spare in (float(x) for x in args.spare_gb.split(",")):
+        if profiler is not None:
+            profiler.enable()
         row = one(state, shape, spare, args.target_tokens, args.top)
+        if profiler is not None:
+            profiler.disable()
         rows.append(row)
         print(f"spare {spare:+g} GiB: {row['settings']} settings, {row['in_full']} in full, {row['ruled_out']} ruled "
               f"out, {row['simulations']:,} simulated prefills, {row['cpu_s']} s CPU ({row['wall_s']} s wall); best "
               f"{row['best_fit']:,} tokens ({row['best']}), today {row['process_fit']:,}", flush=True)
+    if profiler is not None:
+        profiler.dump_stats(args.profile)
     print(json.dumps({"segments": len(state.segments), "shape": dataclasses.asdict(shape), "rows": rows}))
     return 0
 

@@ -1,7 +1,5 @@
-"""Ports: the lab server's default, and free loopback ports for the demo's servers and the tests'.
-
-The hook's exporter base port (MEMTEL_PORT, 9200) is the hook's own: `telemetry.hook.config.DEFAULT_PORT`;
-the node daemon's (9101) is the daemon's.
+"""Free loopback ports for the demo's servers and the tests'. The default ports (the daemon's, the hook's, the lab
+server's) are in one table: telemetry/scrape/ports.py.
 
 A free port here is one that can be bound now, outside the kernel's ephemeral range
 (/proc/sys/net/ipv4/ip_local_port_range), and not handed out before by this process. Asking the kernel for
@@ -19,8 +17,6 @@ import threading
 from pathlib import Path
 
 from telemetry.errors import RunError
-
-LAB_SERVER_PORT = 8000  # vLLM's default: the harness talks to the lab server as to vLLM
 
 _LOWEST = 10000  # above the well-known ports and the most used registered ones
 _LOCK = threading.Lock()

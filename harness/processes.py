@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
 PR_SET_PDEATHSIG = 1
 
 
@@ -45,6 +43,8 @@ def wait_healthy(url: str, process: subprocess.Popen, *, timeout_s: float, log_p
     Raises `error(message)` when `process` exits first or `timeout_s` passes; the message says which and
     ends with the tail of `log_path`.
     """
+    import httpx  # the harness extra: imported when a command runs, so every `--help` works without it
+
     start = time.monotonic() if started is None else started
     deadline = start + timeout_s
     with httpx.Client(timeout=2.0) as client:

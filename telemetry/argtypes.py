@@ -92,5 +92,25 @@ positive = checked(_finite, lambda v: v > 0, "a number > 0")
 port = checked(_integer, lambda v: 1 <= v <= 65535, "a port number in 1..65535")
 finite = checked(_finite, lambda v: True, "a number")
 
-__all__ = ["bounded_float", "bounded_int", "checked", "finite", "fraction", "non_negative", "non_negative_int",
-           "number_text", "port", "positive", "positive_int", "shown", "shown_value"]
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def log_level(text: str) -> str:
+    """A `--log-level`: one of LOG_LEVELS in either case, returned lowercase (the one form help shows)."""
+    value = text.strip().lower()
+    if value not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)} (either case), "
+                                         f"got {shown(text, MAX_SHOWN_CHARS)}")
+    return value
+
+
+def add_log_level(parser: argparse.ArgumentParser, default: str | None = "info") -> None:
+    """Every server command's `--log-level`, alike (`logging.basicConfig(level=args.log_level.upper())`)."""
+    shown_default = f"default {default}" if default is not None else "default: the config file's, else info"
+    parser.add_argument("--log-level", type=log_level, choices=LOG_LEVELS, default=default,
+                        help=f"how much to log, either case ({shown_default})")
+
+
+__all__ = ["LOG_LEVELS", "add_log_level", "bounded_float", "bounded_int", "checked", "finite", "fraction",
+           "log_level", "non_negative", "non_negative_int", "number_text", "port", "positive", "positive_int", "shown",
+           "shown_value"]

@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "allocsim": ("telemetry.model.allocsim.cli", "replay an op file on the caching-allocator simulator"),
     "replay": ("telemetry.model.indexer.replay",
                "replay the sparse indexer's logits allocations alone (cuda or sim)"),
-    "forecast": ("telemetry.model.indexer.forecast",
+    "forecast": ("telemetry.model.indexer.forecast_cli",
                  "forecast the next prefill's reserved growth from an allocator snapshot"),
     "tune": ("telemetry.tune.cli", "search allocator, budget and chunk settings for the longest prefill that fits"),
     "whatif": ("telemetry.model.allocsim.whatif_cli",

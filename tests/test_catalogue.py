@@ -5,8 +5,10 @@ golden files name, must agree with it.
 - a family a collector produces (run live on fixtures: the daemon's collectors, its health, the flight
   recorder, the exporter's HTTP health, the hook's exporter over HTTP, the live forecast) that the catalogue
   lacks, or whose type, help or labels differ from its entry (with a catalogue line to paste);
-- a metric name typed in code outside the catalogue (`...MetricFamily("memtel_...")`, `Counter("memtel_...")`)
-  that the catalogue lacks;
+- a metric name typed in code outside the catalogue: any `memtel_...` or `vllm:...` in a string of telemetry/,
+  harness/ or benchmarks/ (docstrings aside), whether it builds a family, reads one back (the readers look series
+  up by entry: telemetry/scrape) or names one in a message; only `_NOT_METRICS` and `fields.OTHER_NAMES`, which
+  are no metric, and `_TYPED_FOR_NOW`, each with its reason, may be typed;
 - a memtel series named in docs/*.md, dashboards/README.md, a Prometheus rule or rule test
   (dashboards/prometheus/), a Grafana dashboard or a golden file (tests/fixtures/) that nothing produces
   (recording-rule outputs count as produced);
@@ -15,6 +17,7 @@ golden files name, must agree with it.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -29,15 +32,40 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.catalogue import FAMILIES, Family, fields, sample_names
+from telemetry.catalogue.vllm import VLLM_FAMILIES
 from tests.hook.test_golden_metrics import golden_exporter  # noqa: F401  (a fixture: the hook's real exporter)
 
 ROOT = Path(__file__).parents[1]
+VLLM_SERIES = {name for entry in VLLM_FAMILIES.values() for name in entry.sample_names}
 FIXTURES = ROOT / "tests" / "fixtures"
 PROC = FIXTURES / "proc"
 
 # A memtel series as written in text: `memtel_x`, `level:memtel_x:op`, `memtel:x` (a recording rule's output).
 _TOKEN = re.compile(r"(?<![A-Za-z0-9_:./\-])((?:[a-z_]+:)?memtel[_:][A-Za-z0-9_:]*)(\*?)")
-_LITERAL = re.compile(r"[\"'](memtel_[a-z0-9_]*[a-z0-9])[\"']")
+# A metric name (or a prefix of names) inside a string of code.
+_NAME_IN_CODE = re.compile(r"(?<![A-Za-z0-9_:.\-/])(memtel_[A-Za-z0-9_]*|vllm:[A-Za-z0-9_:]+)")
+# memtel identifiers typed in code that are no metric (besides fields.OTHER_NAMES), with why.
+_NOT_METRICS = {
+    "memtel_score_sentinel": "the synthetic series of `memtel alerts score`'s promtool test, never exported",
+    "memtel_score_query": "the label that names the score's queries in that test, never exported",
+    "memtel_version": "a key of results.jsonl's environment record",
+    "memtel_snapshot_native": "the name of the native snapshot reader's build",
+    "memtel_bench_target": "the module the hook benchmark hooks",
+    "memtel_default": "an arm of benchmarks/daemon_bench.py",
+    "memtel_same_sources": "an arm of benchmarks/daemon_bench.py",
+    "memtel_hooks": "a key of a LiteLLM deployment's litellm_params (telemetry/litellm)",
+    "memtel_deployment": "a key of a LiteLLM request's metadata (telemetry/litellm)",
+}
+# Metric names still typed in code, each with why (a file of another change in flight): to move to entries.
+_HOOK_IN_FLIGHT = "a log line in telemetry/hook, which another change edits now; to name its entry next"
+_TYPED_FOR_NOW: dict[tuple[str, str], str] = {
+    ("telemetry/hook/forecast/runner.py", "memtel_forecast_failures_total"): _HOOK_IN_FLIGHT,
+    ("telemetry/hook/forecast/runner.py", "memtel_forecast_max_prefill_tokens"): _HOOK_IN_FLIGHT,
+    ("telemetry/hook/forecast/snapshot_native/reader.py", "memtel_forecast_snapshot_reader_info"): _HOOK_IN_FLIGHT,
+    ("telemetry/hook/allocator.py", "memtel_hook_allocator_reader_info"): _HOOK_IN_FLIGHT,
+    ("telemetry/hook/log_writer.py", "memtel_hook_log_dropped_records_total"): _HOOK_IN_FLIGHT,
+    ("telemetry/hook/session.py", "memtel_hook_unresolved_targets"): _HOOK_IN_FLIGHT,
+}
 
 
 # -- what is produced -------------------------------------------------------------------------------
@@ -158,18 +186,55 @@ def _constants_holding(family: Family) -> list[str]:
     return [name for name, value in vars(metrics_module).items() if not name.startswith("_") and holds(value)]
 
 
-def _typed_in_code() -> dict[str, list[str]]:
-    """memtel metric names typed as string literals outside the catalogue, in the files that build or read
-    metrics (those that use prometheus_client): name -> files."""
+def _strings_naming_series(tree: ast.AST) -> list[ast.Constant]:
+    """The strings of `tree` that may name a series: not statements (docstrings and the like: documentation) and
+    not the items of `__all__` (Python names). One walk."""
+    strings: list[ast.Constant] = []
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            skip.add(id(node.value))
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            skip.update(id(item) for item in ast.walk(node.value))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            strings.append(node)
+    return [node for node in strings if id(node) not in skip]
+
+
+def _typed_in_code(roots: tuple[Path, ...] = (ROOT / "telemetry", ROOT / "harness", ROOT / "benchmarks")
+                   ) -> dict[str, list[str]]:
+    """memtel and vLLM metric names typed in strings of code outside the catalogue: name -> `file:line`s."""
     typed: dict[str, list[str]] = {}
-    for package in ("telemetry", "harness"):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            text = path.read_text()
-            if "catalogue" in path.parts or "prometheus_client" not in text:
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if "catalogue" in path.parts:
                 continue
-            for match in _LITERAL.finditer(text):
-                typed.setdefault(match.group(1), []).append(str(path.relative_to(ROOT)))
+            text = path.read_text()
+            if "memtel_" not in text and "vllm:" not in text:   # most files name no series at all: not parsed
+                continue
+            for node in _strings_naming_series(ast.parse(text)):
+                for match in _NAME_IN_CODE.finditer(node.value):
+                    where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{node.lineno}"
+                    typed.setdefault(match.group(1), []).append(where)
     return typed
+
+
+def _typed_problems(typed: dict[str, list[str]]) -> list[str]:
+    problems = []
+    for name, places in sorted(typed.items()):
+        if name in _NOT_METRICS or name in fields.OTHER_NAMES:
+            continue
+        for place in sorted(set(places)):
+            if (place.split(":")[0], name) in _TYPED_FOR_NOW:
+                continue
+            if name in FAMILIES or name in VLLM_FAMILIES or name in sample_names() or name in VLLM_SERIES:
+                problems.append(f"{place} types {name} (a catalogue entry's name): name it through its entry "
+                                "(`ENTRY.series`; telemetry/scrape reads series by entry)")
+            else:
+                problems.append(f"{place} types {name} (no catalogue entry's name): a metric belongs in the "
+                                "catalogue; an identifier that is no metric in tests/test_catalogue.py _NOT_METRICS, "
+                                "with why")
+    return problems
 
 
 # -- what is named ----------------------------------------------------------------------------------
@@ -225,10 +290,7 @@ def test_every_metric_name_agrees_with_the_catalogue(tmp_path, golden_exporter):
     produced_names |= _check_produced(_forecast_families(), "the live forecast", problems)
 
     typed = _typed_in_code()
-    series = sample_names()
-    for name, files in sorted(typed.items()):
-        if name not in FAMILIES and name not in series:
-            problems.append(f"{name} is typed in {', '.join(sorted(set(files)))} and is in no catalogue entry")
+    problems += _typed_problems(typed)
     code = "\n".join(p.read_text() for pkg in ("telemetry", "harness") for p in (ROOT / pkg).rglob("*.py")
                      if "catalogue" not in p.parts)
     identifiers = set(re.findall(r"\b[A-Z][A-Z0-9_]*\b", code))
@@ -262,6 +324,43 @@ def test_a_misspelt_name_in_a_doc_is_caught(tmp_path):
                    "rate(memtel_hook_calls_total[5m]), instance:memtel_node_mem_available:ratio, test_memtel_port\n")
     unknown = sorted(n for n in _names_in(doc) if not _known(n, known))
     assert unknown == ["memtel_node_mem_available_byte", "memtel_nope_*"]
+
+
+def test_a_name_typed_by_a_reader_is_caught(tmp_path):
+    """The check itself: a reader that types a series (plain, in an f-string, as a prefix) is caught wherever it
+    is; a docstring, a non-metric identifier and an upper-case environment variable are not."""
+    code = tmp_path / "reader.py"
+    code.write_text('''"""Reads memtel_node_mem_available_bytes (a docstring: documentation)."""
+def read(scrape, rank):
+    """memtel_hook_calls_total, again documentation."""
+    log = "MEMTEL_PORT and memtel_timeline are no metrics"
+    return (scrape.first("memtel_node_mem_available_bytes"), f'vllm:num_requests_running{{rank="{rank}"}}',
+            [n for n in scrape if n.startswith("memtel_engine_")])
+''')
+    problems = _typed_problems(_typed_in_code((tmp_path,)))
+    assert [p.split(" (")[0] for p in problems] == [
+        f"{code}:6 types memtel_engine_", f"{code}:5 types memtel_node_mem_available_bytes",
+        f"{code}:5 types vllm:num_requests_running"], problems
+
+
+def test_the_lab_exports_its_entries_names_help_and_labels():
+    """The lab server's /metrics: vLLM's series (telemetry/catalogue/vllm.py) and memtel_lab_*, each as its entry."""
+    from harness.labserver.server import LabMetrics
+    from telemetry.catalogue.metrics import LAB_INDEXER_LAUNCHES
+
+    problems: list[str] = []
+    families = list(LabMetrics("m").registry.collect())
+    vllm_seen = {f.name for f in families if f.name in VLLM_FAMILIES}
+    lab = [f for f in families if f.name not in VLLM_FAMILIES]
+    for family in families:
+        entry = VLLM_FAMILIES.get(family.name) or FAMILIES.get(family.name)
+        if entry is None:
+            problems.append(f"the lab produces {family.name}, which no entry has")
+        elif (family.type, family.documentation, _label_names(family)) != (entry.type, entry.help, set(entry.labels)):
+            problems.append(f"{family.name}: the lab's {family.type} {family.documentation!r} "
+                            f"{sorted(_label_names(family))} != its entry's")
+    assert not problems, problems
+    assert vllm_seen == set(VLLM_FAMILIES) and [f.name for f in lab] == [LAB_INDEXER_LAUNCHES.name]
 
 
 # -- record fields ----------------------------------------------------------------------------------

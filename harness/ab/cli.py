@@ -19,7 +19,7 @@ EXIT_CODES = ("exit codes: 0 every request ok and every gate passed; 1 nothing r
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="ab_command", metavar="{run,report}")
+    sub = parser.add_subparsers(dest="ab_command", metavar="COMMAND")
     run_parser = sub.add_parser("run", help="run a ladder file against its arms, then write the report",
                                 description="Run a ladder file: fresh serve per arm, cold prefills, telemetry "
                                             "after each request; results.jsonl, then report.md.",
@@ -32,7 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     run_parser.add_argument("--no-report", action="store_true",
                             help="do not write the report at the end (the gates are still evaluated)")
     report_parser = sub.add_parser("report", help="write report.md, summary.json and plots for a run directory",
-                                   epilog=EXIT_CODES)
+                                   description="Write report.md, summary.json and plots for a run directory "
+                                               "(from its results.jsonl).", epilog=EXIT_CODES)
     report_parser.add_argument("run_dir", type=Path, help="a run directory (with results.jsonl)")
 
 

@@ -21,13 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from telemetry.catalogue.metrics import UNIFIED_HEADROOM
 from telemetry.errors import ConfigError
 
 # name -> what it checks (the report's wording); the unit is in the name.
 GATES: dict[str, str] = {
     "max_reserved_growth_mib": "reserved growth during any one request, on any rank, at most this many MiB",
-    "min_headroom_mib": "the lowest unified-memory headroom (memtel_node_unified_headroom_bytes) during any "
-                        "request, on any node, at least this many MiB",
+    "min_headroom_mib": f"the lowest unified-memory headroom ({UNIFIED_HEADROOM.series}) during any request, on any "
+                        "node, at least this many MiB",
     "min_mem_available_mib": "the lowest MemAvailable during any request, on any node, at least this many MiB",
     "max_nv_err_events": "NV_ERR_NO_MEMORY kernel-log lines during any one request, on any node, at most this many",
     "max_ttft_regression_pct": "mean client TTFT over the repeats of a step at most this many percent above the "

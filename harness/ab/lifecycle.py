@@ -24,6 +24,7 @@ from harness.ab.redact import Redactor, redact_argv, redact_env
 from harness.ab.rundir import inside_run_dir
 from harness.ab.serve import ServedProcess
 from harness.ab.status import Status
+from telemetry.engines.registry import HEALTH_PATH, MODELS_PATH
 
 
 def expand(value: str, fields: dict[str, str]) -> str:
@@ -42,7 +43,8 @@ def relative_to_run(out_dir: Path, path: Path) -> str:
 
 
 def max_model_len(models: object, model: str) -> int | None:
-    """max_model_len of the served model from /v1/models (vLLM's shape: data[i].max_model_len)."""
+    """max_model_len of the served model from /v1/models (data[i].max_model_len: vLLM's shape, which SGLang and
+    the lab server answer too; telemetry/engines)."""
     if not isinstance(models, dict) or not isinstance(models.get("data"), list):
         return None
     cards = [c for c in models["data"] if isinstance(c, dict)]
@@ -125,7 +127,7 @@ class ArmServer:
                 return False
             health_url = self.process.spec.health_url
         else:
-            health_url = arm.url + "/health"
+            health_url = arm.url + HEALTH_PATH
         try:
             return self.http.get(health_url, timeout=5.0).status_code == 200
         except httpx.HTTPError:
@@ -134,7 +136,7 @@ class ArmServer:
     def info(self, arm: Arm, repeat: int, ranks: dict[str, str]) -> int | None:
         """Record the server's /version, /v1/models and which rank exporters answer; its max_model_len."""
         info: dict[str, Any] = {}
-        for key, path in (("version", "/version"), ("models", "/v1/models")):
+        for key, path in (("version", "/version"), ("models", MODELS_PATH)):
             try:
                 response = self.http.get(arm.url + path, timeout=10.0)
                 info[key] = response.json() if response.status_code == 200 else f"HTTP {response.status_code}"

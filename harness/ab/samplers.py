@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness.ab.records import NodeSnapshot, RankSnapshot, ServerSnapshot, Snapshot
-from telemetry.catalogue import fields
+from telemetry.catalogue import fields, vllm
 from telemetry.catalogue.fields import NODE_SNAPSHOT_SERIES, NODE_XID_LABEL
+from telemetry.scrape import parse, series_name
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 S = TypeVar("S", bound=Snapshot)
@@ -31,17 +31,17 @@ S = TypeVar("S", bound=Snapshot)
 NODE_SERIES = NODE_SNAPSHOT_SERIES
 RANK_PROCESS_WIDE = fields.RANK_PROCESS_WIDE  # process-wide allocator values (every site reports them): the largest
 RANK_PER_SITE = fields.RANK_PER_SITE          # per-site counters: added up
-SERVER_TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
-SERVER_TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
-SERVER_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"  # tokens looked up in the prefix cache
-SERVER_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"        # of which found: a cold prefill has none
+SERVER_TTFT_SUM = series_name(vllm.TIME_TO_FIRST_TOKEN, "_sum")
+SERVER_TTFT_COUNT = series_name(vllm.TIME_TO_FIRST_TOKEN, "_count")
+SERVER_PREFIX_CACHE_QUERIES = vllm.PREFIX_CACHE_QUERIES.series  # tokens looked up in the prefix cache
+SERVER_PREFIX_CACHE_HITS = vllm.PREFIX_CACHE_HITS.series        # of which found: a cold prefill has none
 
 
 def parse_metrics(text: str) -> Samples:
+    """The samples of exposition `text` by name (telemetry/scrape's parser); ExpositionError for other text."""
     samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    for sample in parse(text).samples:
+        samples.setdefault(sample.name, []).append((sample.labels, sample.value))
     return samples
 
 

@@ -30,7 +30,10 @@ from typing import Any
 
 from harness.ports import free_port_block
 from harness.processes import die_with_parent, wait_healthy
+from telemetry.catalogue.fields import GUARD_WOULD_NOT_FIT
+from telemetry.catalogue.metrics import FORECAST_MAX_PREFILL_TOKENS, GUARD_LIMIT_TOKENS
 from telemetry.errors import RunError
+from telemetry.scrape import METRICS_PATH, Endpoint, FetchError, read_metrics
 
 DEFAULT_CAPACITY_GB = 1.5
 # The node's shape: 4 indexer layers and a logits budget too large to split a launch, so the stock width's
@@ -164,19 +167,18 @@ def start_guard(port: int, upstream_port: int, hooks: list[str], metrics_port: i
     return guard
 
 
+MAX_GUARD_METRICS_BYTES = 1 << 20  # the guard's own /metrics is a few kB
+
+
 def guard_limit(metrics_port: int) -> int | None:
-    """The guard's memtel_guard_limit_tokens now, or None (blind, or no answer)."""
+    """The guard's limit (GUARD_LIMIT_TOKENS) now, or None (blind, or no answer)."""
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", metrics_port, timeout=2)
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-        conn.close()
-    except OSError:
+        exposition = read_metrics(Endpoint("http", "127.0.0.1", metrics_port, METRICS_PATH), time.monotonic() + 2,
+                                  MAX_GUARD_METRICS_BYTES, only=[GUARD_LIMIT_TOKENS])
+    except FetchError:
         return None
-    for line in text.splitlines():
-        if line.startswith("memtel_guard_limit_tokens "):
-            return int(float(line.split()[1]))
-    return None
+    limit = exposition.first(GUARD_LIMIT_TOKENS)
+    return None if limit is None else int(limit)
 
 
 def wait_for_limit(metrics_port: int, guard: Process, timeout_s: float = 60.0) -> int:
@@ -188,8 +190,8 @@ def wait_for_limit(metrics_port: int, guard: Process, timeout_s: float = 60.0) -
         if not guard.alive():
             raise RunError(f"the guard exited; log {guard.log_path}")
         time.sleep(0.2)
-    raise RunError(f"the guard saw no memtel_forecast_max_prefill_tokens from the node's hook within {timeout_s:.0f} s "
-                   f"(is the hook's live forecast running? see {guard.log_path})")
+    raise RunError(f"the guard saw no {FORECAST_MAX_PREFILL_TOKENS.series} from the node's hook within "
+                   f"{timeout_s:.0f} s (is the hook's live forecast running? see {guard.log_path})")
 
 
 def out_of_memory_lines(log_path: Path) -> list[str]:
@@ -276,7 +278,7 @@ def verdict(unguarded: Phase, guarded: Phase) -> dict[str, Any]:
         "unguarded_1m_failed": big_u.status != 200,
         "unguarded_next_served": next_u.status == 200,
         "unguarded_node_alive_after": unguarded.node_alive_after,
-        "guarded_1m_refused": big_g.status == 503 and big_g.error_type == "memtel_would_not_fit",
+        "guarded_1m_refused": big_g.status == 503 and big_g.error_type == GUARD_WOULD_NOT_FIT,
         "guarded_1m_refusal_ms": round(big_g.seconds * 1000, 1),
         "guarded_next_served": next_g.status == 200,
         "guarded_node_alive_after": guarded.node_alive_after and guarded.node_health_after == 200,
@@ -328,7 +330,7 @@ def report_text(unguarded: Phase, guarded: Phase, capacity_gb: float) -> str:
     lines += ["", "## Guarded", ""]
     if guarded.limit_tokens is not None:
         lines.append(f"Before the prompts the guard's limit was {guarded.limit_tokens:,} tokens "
-                     "(memtel_guard_limit_tokens: the rank's memtel_forecast_max_prefill_tokens).")
+                     f"({GUARD_LIMIT_TOKENS.series}: the rank's {FORECAST_MAX_PREFILL_TOKENS.series}).")
     if facts["guarded_1m_refused"]:
         f = big_g.fields
         lines.append(f"The 1M-token request got its 503 in {_seconds(big_g.seconds)} (including sending the "

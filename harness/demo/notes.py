@@ -171,6 +171,28 @@ def _steps_with_growth(growth: list[int] | None) -> str:
     return f"{md.ranges(grew)} of {len(growth)}"
 
 
+def result_line(metrics: RunMetrics, notes: DemoNotes) -> str:
+    """The result first: each arm's reserved growth and device allocations over the run (repeat 0, the busiest
+    rank), and whether every step agreed with the prediction; the details follow."""
+    parts = []
+    for arm in metrics.run.arms:
+        growth: dict[str, float] = {}
+        allocs: dict[str, float] = {}
+        for m in metrics.requests.values():
+            if m.arm == arm and m.repeat == 0:
+                for rank, r in m.ranks.items():
+                    growth[rank] = growth.get(rank, 0) + (r.reserved_growth_bytes or 0)
+                    allocs[rank] = allocs.get(rank, 0) + (r.num_device_alloc or 0)
+        if growth:
+            rank = max(growth, key=lambda name: growth[name])
+            parts.append(f"**{arm}** reserved {growth[rank] / MIB:+,.0f} MiB in {allocs[rank]:,.0f} device "
+                         f"allocations")
+    checks = [c for arm_checks in notes.arms.values() for c in arm_checks]
+    agreed = sum(c.agree for c in checks)
+    return (f"**Result:** over the run, per rank, {'; '.join(parts) or 'no allocator series were read'}. The "
+            f"prediction of `memtel replay` agreed with the ranks on {agreed} of {len(checks)} steps.")
+
+
 def _intro(setup: DemoSetup, metrics: RunMetrics) -> list[str]:
     shape = setup.shape
     lines = [
@@ -283,7 +305,7 @@ def build_notes(report: Report, setup: DemoSetup, steps: list[Step]) -> DemoNote
                                   " / ".join(md.number(n.mem_available_delta_bytes, MIB, sign=True)
                                              for n in m.nodes.values()) or "n/a"])
     rank_names = " / ".join(run.ranks)
-    lines = _intro(setup, metrics)
+    lines = [result_line(metrics, notes), "", *_intro(setup, metrics)]
     lines += ["### The ranks against the prediction", "",
               "Predicted: the launch loop that `memtel replay` runs, on a fresh simulator, fed this ladder's prompts "
               "in order with the same shape and scale (the prefix cache never hits: every prompt differs from its "
@@ -348,4 +370,4 @@ def _host_text(setup: DemoSetup) -> str:
 
 
 __all__ = ["DemoNotes", "StepCheck", "StepPrediction", "build_notes", "measured_chunk_growth", "modeled_prefill_s",
-           "predict"]
+           "predict", "result_line"]

@@ -20,14 +20,14 @@ import socket
 import threading
 
 from harness.labserver.engine import LabConfig
-from harness.ports import LAB_SERVER_PORT
 from telemetry import limits
-from telemetry.argtypes import bounded_float, bounded_int, fraction, port
+from telemetry.argtypes import add_log_level, bounded_float, bounded_int, fraction, port
 from telemetry.errors import ConfigError, RunError
-from telemetry.hook.config import DEFAULT_PORT as HOOK_DEFAULT_PORT
+from telemetry.exporter import listen_failed
 from telemetry.model.indexer.backends import ALLOCATORS, default_allocator
 from telemetry.model.indexer.planner import MODES
 from telemetry.model.indexer.shape import add_shape_arguments, shape_from_args
+from telemetry.scrape import HOOK_PORT, LAB_PORT
 
 log = logging.getLogger("memtel.lab")
 
@@ -36,7 +36,7 @@ DEFAULT_SIM_TIME_SCALE = 0.05
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="lab_command", metavar="LAB_COMMAND")
+    sub = parser.add_subparsers(dest="lab_command", metavar="COMMAND")
     serve = sub.add_parser("serve", help="serve the lab model (OpenAI-compatible) with the indexer's allocations",
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(serve)
@@ -71,15 +71,16 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-unified-memory", action="store_true",
                        help="sim: do not back simulated segments with host memory")
     serve.add_argument("--no-hook", action="store_true", help="do not install memtel's hook in the ranks")
-    serve.add_argument("--memtel-port", type=port, default=None,
+    serve.add_argument("--memtel-port", type=port, default=None, metavar="PORT",
                        help=f"hook exporter base port, rank r listens on it + r (default: $MEMTEL_PORT or "
-                            f"{HOOK_DEFAULT_PORT})")
+                            f"{HOOK_PORT})")
     serve.add_argument("--memtel-log-dir", default=None,
                        help="directory for the hook's per-call JSONL logs (default: $MEMTEL_LOG_DIR, else none)")
     serve.add_argument("--model-name", default=None, help="model name served (default lab-<mode>)")
-    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1, loopback)")
-    serve.add_argument("--port", type=port, default=LAB_SERVER_PORT, help=f"listen port (default {LAB_SERVER_PORT})")
-    serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    serve.add_argument("--host", default="127.0.0.1", metavar="HOST",
+                       help="listen address (default 127.0.0.1, loopback)")
+    serve.add_argument("--port", type=port, default=LAB_PORT, metavar="PORT", help=f"listen port (default {LAB_PORT})")
+    add_log_level(serve)
 
 
 def config_from_args(args: argparse.Namespace) -> LabConfig:
@@ -94,7 +95,7 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
         valid = env_port.isascii() and env_port.isdigit() and len(env_port) <= 5 and 1 <= int(env_port) <= 65535
         if env_port and not valid:
             raise ConfigError(f"MEMTEL_PORT={env_port[:20]!r}: expected a port number in 1..65535 (ASCII digits)")
-        memtel_port = int(env_port) if env_port else HOOK_DEFAULT_PORT
+        memtel_port = int(env_port) if env_port else HOOK_PORT
     if not args.no_hook and memtel_port + args.ranks - 1 > 65535:
         raise ConfigError(f"the hook exporters listen on {memtel_port} + rank: {memtel_port} + {args.ranks - 1} "
                           "is past 65535; choose a lower --memtel-port")
@@ -112,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "lab_command", None) != "serve":
         raise ConfigError("usage: memtel lab serve --arm stock|fixed [options]  (see `memtel lab serve --help`)")
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     config = config_from_args(args)
     return serve(config, host=args.host, port=args.port, model_name=args.model_name or f"lab-{config.mode}")
 
@@ -128,7 +129,7 @@ def serve(config: LabConfig, host: str, port: int, model_name: str) -> int:
     except socket.gaierror as exc:  # a host name that does not resolve, an address that is not one
         raise ConfigError(f"--host {host!r}: not an address of this machine ({exc.strerror or exc})") from None
     except OSError as exc:
-        raise RunError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise listen_failed(host, port, exc) from None
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -28,6 +28,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from harness.labserver.engine import EngineError, EngineOutOfMemoryError, LabEngine
 from harness.labserver.tokenizer import WhitespaceTokenizer
+from telemetry.catalogue import COUNTER, GAUGE, HISTOGRAM, Family, vllm
+from telemetry.catalogue.metrics import LAB_INDEXER_LAUNCHES
 from telemetry.errors import MemtelError
 
 log = logging.getLogger("memtel.lab.server")
@@ -39,6 +41,7 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 # vLLM 0.32's buckets for vllm:iteration_tokens_total (v1/metrics/buckets.py).
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_INSTRUMENTS: dict[str, Any] = {COUNTER: Counter, GAUGE: Gauge, HISTOGRAM: Histogram}
 FILLER_WORDS = ("lab", "model", "output", "token")
 MAX_BODY_BYTES = 64 << 20  # a 200k-word prompt is ~1.5 MB; refuse absurd bodies early
 
@@ -79,46 +82,34 @@ class CompletionRequest:
 
 
 class LabMetrics:
-    """vLLM-named Prometheus metrics, labelled like vLLM's (`model_name`, `engine`)."""
+    """vLLM-named Prometheus metrics, labelled like vLLM's (`model_name`, `engine`): names, help and labels from the
+    catalogue's entries (telemetry/catalogue/vllm.py, and memtel's own LAB_INDEXER_LAUNCHES)."""
 
     def __init__(self, model_name: str) -> None:
         disable_created_metrics()  # no `_created` series, as vLLM's /metrics has none
         self.registry = CollectorRegistry()
-        labels = ["model_name", "engine"]
         values = {"model_name": model_name, "engine": "0"}
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, labels, registry=self.registry).labels(**values)
+        def metric(entry: Family, **options: Any) -> Any:
+            kind = _INSTRUMENTS[entry.type]
+            return kind(entry.name, entry.help, list(entry.labels), registry=self.registry, **options)
 
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
-                                            "Number of cached prompt tokens (prefix cache hits).")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
-                                            "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
-                                         "Prefix cache hits, in terms of number of cached tokens.")
-        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                [*labels, "finished_reason"], registry=self.registry)
+        self.prompt_tokens = metric(vllm.PROMPT_TOKENS).labels(**values)
+        self.generation_tokens = metric(vllm.GENERATION_TOKENS).labels(**values)
+        self.prompt_tokens_cached = metric(vllm.PROMPT_TOKENS_CACHED).labels(**values)
+        self.prefix_cache_queries = metric(vllm.PREFIX_CACHE_QUERIES).labels(**values)
+        self.prefix_cache_hits = metric(vllm.PREFIX_CACHE_HITS).labels(**values)
+        self._success = metric(vllm.REQUEST_SUCCESS)
         self.success_length = self._success.labels(**values, finished_reason="length")
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(**values)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(**values)
-        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.",
-                                      labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(**values)
-        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                             labels, registry=self.registry).labels(**values)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                             labels, registry=self.registry).labels(**values)
+        self.ttft = metric(vllm.TIME_TO_FIRST_TOKEN, buckets=TTFT_BUCKETS).labels(**values)
+        self.e2e = metric(vllm.E2E_REQUEST_LATENCY, buckets=LATENCY_BUCKETS).labels(**values)
+        self.prefill_time = metric(vllm.REQUEST_PREFILL_TIME, buckets=LATENCY_BUCKETS).labels(**values)
+        self.running = metric(vllm.NUM_REQUESTS_RUNNING).labels(**values)
+        self.waiting = metric(vllm.NUM_REQUESTS_WAITING).labels(**values)
         # vLLM's engine steps and their tokens: here one step for a prefill (counted when it ends, as its tokens
         # are) and one per output token. MemtelEngineStalled reads its count as progress.
-        self.iteration_tokens = Histogram("vllm:iteration_tokens_total",
-                                          "Histogram of number of tokens per engine_step.", labels,
-                                          buckets=ITERATION_TOKENS_BUCKETS, registry=self.registry).labels(**values)
-        self.launches = Counter("memtel_lab_indexer_launches", "Indexer logits launches made, per rank summed.",
-                                labels, registry=self.registry).labels(**values)
+        self.iteration_tokens = metric(vllm.ITERATION_TOKENS, buckets=ITERATION_TOKENS_BUCKETS).labels(**values)
+        self.launches = metric(LAB_INDEXER_LAUNCHES).labels(**values)
 
 
 class LabService:

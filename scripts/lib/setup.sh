@@ -53,6 +53,21 @@ ensure_vllm_venv() {
     printf '%s' "$want" > "$venv/.memtel-stamp"
 }
 
+# ensure_litellm_venv: .venv-litellm with memtel[litellm] (a LiteLLM proxy and memtel's hook and routing
+# strategy; docs/guard.md, "Where users already have a gateway"). Its own venv: litellm[proxy] would move the
+# test venv's rich and python-dateutil back a major version and adds ~750 MB.
+ensure_litellm_venv() {
+    local venv="$ROOT/.venv-litellm" want have=""
+    want=$(stamp_of litellm)
+    [ -f "$venv/.memtel-stamp" ] && have=$(cat "$venv/.memtel-stamp")
+    if [ -x "$venv/bin/python" ] && [ "$have" = "$want" ]; then return 0; fi
+    [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
+    log "installing memtel[litellm] into $venv (about 7 minutes when new)"
+    pip_quiet "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+    pip_quiet "$venv/bin/python" -m pip install -q -e "$ROOT[litellm]"
+    printf '%s' "$want" > "$venv/.memtel-stamp"
+}
+
 # ensure_system_packages: Debian's prometheus (server and promtool) and prometheus-alertmanager
 # (alertmanager and amtool) for the live tests, and tmux (memtel top is tested in a real terminal).
 ensure_system_packages() {

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from telemetry.alerts.timeline import Outcome, Record, Timeline
+from telemetry.alerts.timeline import HEADER_KEY, Outcome, Record, Timeline
 from telemetry.errors import ConfigError, RunError
 
 MIN_MINUTES, MAX_MINUTES = 0.5, 1440.0
@@ -85,8 +85,8 @@ def burn_in(minutes: float, state_dir: str | None, listen: str, out: str | None,
     timeline = Timeline("burn-in", outcome, tuple(records))
     if out is not None:
         with open(out, "w") as handle:
-            handle.write(json.dumps({"memtel_timeline": {"outcome": "benign", "node": outcome.node,
-                                                         "description": outcome.description}}) + "\n")
+            handle.write(json.dumps({HEADER_KEY: {"outcome": "benign", "node": outcome.node,
+                                                  "description": outcome.description}}) + "\n")
             for record in records:
                 handle.write(json.dumps({"time": record.time, "values": record.values}) + "\n")
     return timeline

@@ -45,7 +45,7 @@ atexit.register(_EXTRACTED.close)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="alerts_action", metavar="ACTION")
+    actions = parser.add_subparsers(dest="alerts_action", metavar="COMMAND")
     score = actions.add_parser("score", help="score alert rules against a corpus of timelines",
                                description="Score alert rules against timelines whose outcome is known.")
     score.add_argument("corpus", metavar="CORPUS", help="a timeline .jsonl file, or a directory of them")

@@ -23,16 +23,21 @@ from pathlib import Path
 import yaml
 
 from telemetry.alerts.timeline import Timeline, parse_series_key
+from telemetry.catalogue import sample_names
+from telemetry.catalogue.vllm import VLLM_FAMILIES
 from telemetry.errors import ConfigError, RunError
+from telemetry.scrape import DAEMON_PORT
 
 SENTINEL = "memtel_score_sentinel"
 QUERY_LABEL = "memtel_score_query"
 DAEMON_JOB = "memtel-daemon"
 HOOK_JOB = "memtel-hook"
 VLLM_JOB = "memtel-vllm"  # vLLM's own /metrics (configs/prometheus/prometheus.yml)
-_HOOK_PREFIXES = ("memtel_allocator_", "memtel_hook_", "memtel_forecast_", "memtel_engine_")
+_HOOK_SOURCES = ("hook", "engine", "forecast")  # the catalogue's sources whose families the hook's exporter serves
 _GOT = re.compile(r'\{alertname="([A-Za-z_][A-Za-z0-9_]*)", ' + QUERY_LABEL + r'="(q_[a-z]+)_(\d+)"\} ([^,\s]+)')
 PROMTOOL_TIMEOUT_S = 300
+_SERIES = sample_names()
+_VLLM_SERIES = frozenset(name for entry in VLLM_FAMILIES.values() for name in entry.sample_names)
 
 
 @dataclass
@@ -96,6 +101,14 @@ def _value_text(value: float) -> str:
     return repr(value) if not value.is_integer() else str(int(value))
 
 
+def _job(series: str) -> str:
+    """The scrape job that serves `series` in the shipped Prometheus config: the hook's, vLLM's or the daemon's."""
+    if series in _VLLM_SERIES:
+        return VLLM_JOB
+    entry = _SERIES.get(series)
+    return HOOK_JOB if entry is not None and entry.source in _HOOK_SOURCES else DAEMON_JOB
+
+
 def input_series(timeline: Timeline, wanted: set[str]) -> tuple[list[dict[str, str]], int]:
     """promtool input_series on a 1 s grid from the first record, and the last step; each series ends with a
     stale marker (after its last sample it is gone, as a target that stopped answering is), and a series that a
@@ -114,15 +127,15 @@ def input_series(timeline: Timeline, wanted: set[str]) -> tuple[list[dict[str, s
         if values is None:
             continue
         present: set[str] = set()
-        up = f'up{{{_labels_text({"job": DAEMON_JOB, "instance": f"{node}:9101", "node": node})}}}'
+        up = f'up{{{_labels_text({"job": DAEMON_JOB, "instance": f"{node}:{DAEMON_PORT}", "node": node})}}}'
         series.setdefault(up, ["_"] * (last + 1))[step] = "1"
         for key, value in values.items():
             parsed = parse_series_key(key)
             if parsed is None or parsed[0] not in wanted:
                 continue
             name, labels = parsed
-            job = HOOK_JOB if name.startswith(_HOOK_PREFIXES) else VLLM_JOB if name.startswith("vllm:") else DAEMON_JOB
-            labels = {**labels, "job": job, "instance": labels.get("instance", f"{node}:9101"), "node": node}
+            labels = {**labels, "job": _job(name), "instance": labels.get("instance", f"{node}:{DAEMON_PORT}"),
+                      "node": node}
             if name.endswith("_timestamp_seconds"):
                 value -= start  # a Unix time on the records' clock; the test's clock starts at 0
             key = f"{name}{{{_labels_text(labels)}}}"

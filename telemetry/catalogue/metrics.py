@@ -420,7 +420,8 @@ GUARD_REJECTED = counter(
     "Requests the guard answered itself instead of forwarding, by reason: context_length_exceeded (at least the "
     "engine's max-model-len: 400, permanent), would_not_fit (longer than the longest prefill that fits now), "
     "in_prefill (fits alone, not beside the admitted prefills), blind (--when-blind reject), bad_request "
-    "(malformed, or prompt_embeds too large to bound), not_forwarded (a path the guard does not pass).", ("reason",),
+    "(malformed, or prompt_embeds too large to bound), not_forwarded (a path the guard does not pass), no_replica "
+    "(no replica healthy).", ("reason",),
     source="guard")
 GUARD_BLIND_DECISIONS = counter(
     "memtel_guard_blind_decisions",
@@ -473,10 +474,35 @@ GUARD_HOOK_SCRAPE_FAILURES = counter(
     "memtel_guard_hook_scrape_failures",
     "Scrapes of a hook exporter that failed (no answer, an error status, a malformed answer), by hook URL.",
     ("hook",), source="guard")
+GUARD_QUEUE_DEPTH = gauge(
+    "memtel_guard_queue_depth",
+    "Completion requests waiting in the guard's queue now (--queue-s) for the limit to rise.", source="guard")
+GUARD_QUEUE_WAIT = histogram(
+    "memtel_guard_queue_wait_seconds",
+    "Time a completion request waited in the guard's queue, whatever the outcome (queue_full excepted).",
+    source="guard")
+GUARD_QUEUE_OUTCOMES = counter(
+    "memtel_guard_queue_outcomes",
+    "Completion requests that entered (or found full) the guard's queue, by outcome: admitted (forwarded after the "
+    "wait), timed_out (503 after --queue-s), client_left (the client closed its connection while waiting), "
+    "queue_full (503 at once, --max-queued reached), refused (a permanent refusal on a later decision).",
+    ("outcome",), source="guard")
+GUARD_REPLICA_IN_POOL = gauge(
+    "memtel_guard_replica_in_pool",
+    "1 while a replica takes completion requests: its /health answers 200 and one of its hooks is fresh.",
+    ("replica",), source="guard")
+GUARD_REPLICA_LIMIT_TOKENS = gauge(
+    "memtel_guard_replica_limit_tokens",
+    "The longest prompt a replica admits now (memtel_guard_limit_tokens of that replica alone); absent while blind.",
+    ("replica",), source="guard")
+GUARD_REPLICA_FORWARDED = counter(
+    "memtel_guard_replica_forwarded",
+    "Requests the guard forwarded to each replica (completions and pass-through paths).", ("replica",),
+    source="guard")
 
 # -- the lab server (harness/labserver/server.py) --------------------------------------------------------------
 LAB_INDEXER_LAUNCHES = counter("memtel_lab_indexer_launches", "Indexer logits launches made, per rank summed.",
-                               source="lab")
+                               ("model_name", "engine"), source="lab")   # labelled as the lab's vLLM series
 
 
 def _collect() -> dict[str, Family]:

@@ -1,5 +1,8 @@
 """Typed daemon configuration from flags and an optional YAML file (flags win).
 
+The values are telemetry/daemon/settings.py's dataclasses; this module checks and builds them, and knows the
+registered collectors' names (a `collectors.disabled` entry or `--disable-collector` is checked against them).
+
 Every section and key is checked: an unknown key is an error that lists the valid ones, a bad
 value says what was expected, a bad regular expression names its pattern. Every number must be
 finite and within documented bounds (`LIMITS`), so no value can ask for unbounded memory or time.
@@ -11,22 +14,22 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from telemetry.argtypes import LOG_LEVELS
 from telemetry.daemon.collectors import NAMES as COLLECTOR_NAMES
-from telemetry.daemon.collectors.processes import DEFAULT_ROLES, RolePattern
 from telemetry.daemon.kmsg.classify import UserPattern
 from telemetry.daemon.patterns import compile_user_pattern
 from telemetry.daemon.protect import ProtectConfig, parse_protect
+from telemetry.daemon.settings import DaemonConfig, FlightConfig, KmsgConfig, NvmlConfig, ProcessesConfig, RolePattern
 from telemetry.errors import ConfigError
 from telemetry.exporter.address import parse_listen as _parse_listen
 from telemetry.paths import default_state_dir
+from telemetry.scrape.ports import DAEMON_PORT
 from telemetry.validate import DAEMON, Check, Field, Section, Validator, boolean, optional, path_text
 
-DEFAULT_LISTEN = "0.0.0.0:9101"  # next to node_exporter's 9100, far from dcgm-exporter's 9400
-LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_LISTEN = f"0.0.0.0:{DAEMON_PORT}"  # every interface, on the daemon's port (telemetry/scrape/ports.py)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 MAX_PATTERNS = 64
 MAX_ROLES = 32
@@ -45,63 +48,9 @@ MAX_FLIGHT_RECORDS = 100_000  # flight.duration_seconds / flight.interval_second
 MAX_HOOK_TARGETS = 16
 
 
-@dataclass(frozen=True)
-class KmsgConfig:
-    path: str = "/dev/kmsg"
-    burst_window_seconds: float = 2.0
-    max_xid_codes: int = 32
-    patterns: tuple[UserPattern, ...] = ()
-    # Lines that start with the test-suite marker (TEST_LINE_MARKER) are read but not classified, so
-    # memtel's own tests, run on a monitored box, raise nothing; the tests' own daemons count them.
-    ignore_test_lines: bool = True
-
-
-@dataclass(frozen=True)
-class ProcessesConfig:
-    roles: tuple[RolePattern, ...] = DEFAULT_ROLES
-    max_per_role: int = 8
-    recheck_seconds: float = 60.0
-
-
-@dataclass(frozen=True)
-class NvmlConfig:
-    max_processes: int = 32
-
-
-@dataclass(frozen=True)
-class FlightConfig:
-    """The flight recorder (docs/flight-recorder.md). `enabled` None: on when a state directory is given."""
-
-    enabled: bool | None = None
-    duration_seconds: float = 900.0
-    interval_seconds: float = 1.0
-    hook_targets: tuple[str, ...] = ()  # local hook exporters (HOST:PORT) whose last values each record keeps
-
-
-@dataclass(frozen=True)
-class DaemonConfig:
-    listen_host: str = "0.0.0.0"
-    listen_port: int = 9101
-    state_dir: Path = field(default_factory=default_state_dir)
-    web_config: str | None = None  # the Prometheus exporter toolkit's web config file (TLS, basic auth)
-    proc_root: Path = Path("/proc")  # the host's /proc when the daemon runs in a container (e.g. /host/proc)
-    log_level: str = "info"
-    disabled_collectors: tuple[str, ...] = ()
-    kmsg: KmsgConfig = KmsgConfig()
-    processes: ProcessesConfig = ProcessesConfig()
-    nvml: NvmlConfig = NvmlConfig()
-    flight: FlightConfig = FlightConfig()
-    # the evidence-gated last resort (telemetry/daemon/protect.py)
-    protect: ProtectConfig = field(default_factory=ProtectConfig)
-    state_dir_given: bool = False  # --state-dir, state_dir or $STATE_DIRECTORY: turns the flight recorder on
-
-    @property
-    def flight_enabled(self) -> bool:
-        return self.state_dir_given if self.flight.enabled is None else self.flight.enabled
-
-    @property
-    def enabled_collectors(self) -> tuple[str, ...]:
-        return tuple(name for name in COLLECTOR_NAMES if name not in self.disabled_collectors)
+def enabled_collectors(config: DaemonConfig) -> tuple[str, ...]:
+    """The collectors `config` leaves on, in scrape order (the registry's names less `disabled_collectors`)."""
+    return tuple(name for name in COLLECTOR_NAMES if name not in config.disabled_collectors)
 
 
 # -- value checks (telemetry/validate.py; a flag's value is checked like the file's key it overrides) ----

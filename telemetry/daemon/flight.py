@@ -14,8 +14,8 @@ from telemetry.flight.hooks import HookScraper
 from telemetry.flight.recorder import FlightRecorder, series_values
 
 if TYPE_CHECKING:
-    from telemetry.daemon.config import DaemonConfig
     from telemetry.daemon.registry import DaemonCollectors
+    from telemetry.daemon.settings import DaemonConfig
 
 FLIGHT_DIR = "flight"
 COLLECTOR_NAME = "flight"

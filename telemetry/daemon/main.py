@@ -1,4 +1,4 @@
-"""The `memtel daemon` subcommand: wire config, collectors, kernel-log follower and HTTP server.
+"""The `memtel daemon` subcommand: wire config, collectors, kernel-log follower, protect loop and HTTP server.
 
 Order matters: the config (and the web config, and --proc-root) is checked and the port bound
 before anything starts, so a bad config or a port in use exits non-zero with nothing half-started;
@@ -19,24 +19,30 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from prometheus_client import CollectorRegistry
 
+from telemetry.argtypes import add_log_level
+from telemetry.catalogue.metrics import KERNEL_PATTERN
 from telemetry.daemon.collectors import BY_NAME as COLLECTORS
 from telemetry.daemon.collectors import NAMES as COLLECTOR_NAMES
 from telemetry.daemon.config import (
     DEFAULT_LISTEN,
-    LOG_LEVELS,
-    DaemonConfig,
     check_collectors,
     check_proc_root,
+    enabled_collectors,
     from_args,
 )
 from telemetry.daemon.registry import BackgroundCollector, Collector, DaemonCollectors
+from telemetry.daemon.settings import DaemonConfig
 from telemetry.errors import ConfigError
 
+if TYPE_CHECKING:
+    from telemetry.daemon.protect import Protect
+
 log = logging.getLogger("memtel.daemon")
+protect_log = logging.getLogger("memtel.daemon.protect")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +62,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="where /proc is (default /proc; the host's /proc mounted in a container)")
     parser.add_argument("--kmsg", metavar="PATH", help="kernel log to follow (default /dev/kmsg; a file or FIFO works)")
     parser.add_argument("--kmsg-pattern", action="append", metavar="NAME=REGEX",
-                        help="count kernel log lines matching REGEX as memtel_kernel_pattern_matches_total"
+                        help=f"count kernel log lines matching REGEX as {KERNEL_PATTERN[0].series}"
                              "{pattern=NAME} (repeatable)")
     parser.add_argument("--kmsg-count-test-lines", action="store_true",
                         help="also count kernel log lines of memtel's own test suite (they start with "
@@ -72,7 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "directory is given; docs/flight-recorder.md)")
     parser.add_argument("--flight-duration", metavar="DURATION",
                         help="how much the flight recorder's ring holds (default 15m; e.g. 900, 90s, 30m, 2h)")
-    parser.add_argument("--log-level", choices=LOG_LEVELS)
+    add_log_level(parser, default=None)   # None: the config file's, else its default
     parser.add_argument("--check-config", action="store_true",
                         help="check the configuration (and web config, patterns, --proc-root) and exit")
     # argparse would print its usage block too; a bad flag is one line like every other bad input.
@@ -111,7 +117,40 @@ def _prepare_state_dir(path: Path) -> None:
 
 def build_collectors(config: DaemonConfig) -> dict[str, Collector]:
     """The enabled collectors by name, in scrape order, built by their registrations. Nothing is started here."""
-    return {name: COLLECTORS[name].build(config) for name in config.enabled_collectors}
+    return {name: COLLECTORS[name].build(config) for name in enabled_collectors(config)}
+
+
+def build_protect(config: DaemonConfig) -> Protect:
+    """The protect loop of a daemon config (telemetry/daemon/protect.py): it reads the headroom with the headroom
+    collector's code, MemTotal from meminfo, the engines' starts from the local hook exporters of
+    `flight.hook_targets` (none configured: no start explains a fall), and the roles of the process collector."""
+    from telemetry.catalogue.metrics import UNIFIED_HEADROOM
+    from telemetry.daemon.collectors.headroom import HeadroomCollector
+    from telemetry.daemon.protect import Protect, Reading, start_remaining_bytes
+    from telemetry.flight.hooks import HookScraper
+    from telemetry.procfs.meminfo import MeminfoReader
+
+    root = config.proc_root
+    headroom = HeadroomCollector(str(root / "meminfo"), str(root / "buddyinfo"), vmstat_path=str(root / "vmstat"))
+    meminfo = MeminfoReader(str(root / "meminfo"))
+    targets = config.flight.hook_targets
+    starts = HookScraper(targets, config.protect.interval_seconds) if targets else None
+
+    def sample() -> Reading | None:
+        values = {s.name: s.value for family in headroom.collect() for s in family.samples}
+        total = meminfo.read().get("MemTotal")
+        value = values.get(UNIFIED_HEADROOM.series)
+        if value is None or not total:
+            return None
+        return float(value), float(total), {} if starts is None else start_remaining_bytes(starts.latest())
+
+    roles = {role.role: role.cmdline for role in config.processes.roles}
+    protect = Protect(config.protect, sample, roles)
+    protect.starts = starts
+    mode = "dry run, " if config.protect.dry_run else ""
+    protect_log.info("protect on (%swill %s once per falling-headroom episode; engine starts read from %s)", mode,
+             config.protect.describe_action(), ", ".join(targets) if targets else "no hook exporter")
+    return protect
 
 
 def _enable(config: DaemonConfig, args: argparse.Namespace) -> DaemonConfig:
@@ -138,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     check_proc_root(config.proc_root)
     web_config = load_web_config(config.web_config)
     if args.check_config:
-        print(f"memtel daemon: configuration OK (collectors: {', '.join(config.enabled_collectors)}; "
+        print(f"memtel daemon: configuration OK (collectors: {', '.join(enabled_collectors(config))}; "
               f"{web_config.describe()})")
         return 0
 
@@ -150,8 +189,6 @@ def run(args: argparse.Namespace) -> int:
     start_time = time.time()
     collectors = build_collectors(config)
     if config.protect.enabled:
-        from telemetry.daemon.protect import build_protect
-
         collectors["protect"] = build_protect(config)  # started and stopped below, like the kernel log's follower
     background = [c for c in collectors.values() if isinstance(c, BackgroundCollector)]  # the kernel log's
     flight = None
@@ -167,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     server = MetricsServer(config.listen_host, config.listen_port, registry, health=wrapper.health,
                            web_config=web_config, name="memtel daemon")  # ListenError: exit 1
     registry.register(ExporterCollector(server))
-    if flight is not None or any(COLLECTORS[name].uses_state_dir for name in config.enabled_collectors):
+    if flight is not None or any(COLLECTORS[name].uses_state_dir for name in enabled_collectors(config)):
         try:
             _prepare_state_dir(config.state_dir)
         except ConfigError:

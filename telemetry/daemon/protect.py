@@ -273,7 +273,7 @@ class Protect:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.starts: HookScraper | None = None  # the local hook exporters' engine-start series (build_protect)
+        self.starts: HookScraper | None = None  # the local hook exporters' engine-start series (main.build_protect)
 
     def step(self) -> Decision | None:
         """One sample through the definition; the decision it led to, if any."""
@@ -346,34 +346,3 @@ def start_remaining_bytes(hook_values: Mapping[str, float]) -> dict[str, float]:
     memtel_engine_start_remaining_bytes; empty when no engine is starting."""
     prefix = ENGINE_START_REMAINING.series + "{"
     return {key: value for key, value in hook_values.items() if key.startswith(prefix)}
-
-
-def build_protect(config: Any) -> Protect:
-    """The protect loop of a daemon config (telemetry.daemon.config.DaemonConfig): it reads the headroom with
-    the headroom collector's code, MemTotal from meminfo, the engines' starts from the local hook exporters of
-    `flight.hook_targets` (none configured: no start explains a fall), and the roles of the process collector."""
-    from telemetry.catalogue.metrics import UNIFIED_HEADROOM
-    from telemetry.daemon.collectors.headroom import HeadroomCollector
-    from telemetry.procfs.meminfo import MeminfoReader
-
-    root = config.proc_root
-    headroom = HeadroomCollector(str(root / "meminfo"), str(root / "buddyinfo"), vmstat_path=str(root / "vmstat"))
-    meminfo = MeminfoReader(str(root / "meminfo"))
-    targets = config.flight.hook_targets
-    starts = HookScraper(targets, config.protect.interval_seconds) if targets else None
-
-    def sample() -> Reading | None:
-        values = {s.name: s.value for family in headroom.collect() for s in family.samples}
-        total = meminfo.read().get("MemTotal")
-        value = values.get(UNIFIED_HEADROOM.series)
-        if value is None or not total:
-            return None
-        return float(value), float(total), {} if starts is None else start_remaining_bytes(starts.latest())
-
-    roles = {role.role: role.cmdline for role in config.processes.roles}
-    protect = Protect(config.protect, sample, roles)
-    protect.starts = starts
-    mode = "dry run, " if config.protect.dry_run else ""
-    log.info("protect on (%swill %s once per falling-headroom episode; engine starts read from %s)", mode,
-             config.protect.describe_action(), ", ".join(targets) if targets else "no hook exporter")
-    return protect

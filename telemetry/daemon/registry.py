@@ -36,7 +36,7 @@ from telemetry import __version__
 from telemetry.catalogue import metrics as catalogue
 
 if TYPE_CHECKING:
-    from telemetry.daemon.config import DaemonConfig
+    from telemetry.daemon.settings import DaemonConfig
 
 log = logging.getLogger("memtel.daemon")
 

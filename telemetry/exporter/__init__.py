@@ -10,8 +10,8 @@
 """
 
 from telemetry.exporter.address import format_listen, parse_listen
-from telemetry.exporter.server import ListenError, MetricsServer, ServerLimits
+from telemetry.exporter.server import ListenError, MetricsServer, ServerLimits, listen_failed
 from telemetry.exporter.webconfig import WEB_CONFIG_ENV, WebConfig, load_web_config
 
 __all__ = ["WEB_CONFIG_ENV", "ListenError", "MetricsServer", "ServerLimits", "WebConfig", "format_listen",
-           "load_web_config", "parse_listen"]
+           "listen_failed", "load_web_config", "parse_listen"]

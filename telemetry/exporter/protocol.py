@@ -8,12 +8,18 @@ HTTP/1.0 one only with `Connection: keep-alive`; a response that closes says `Co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 MAX_HEADERS = 64
 _TOKEN_CHARS = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-           408: "Request Timeout", 413: "Content Too Large", 431: "Request Header Fields Too Large",
-           500: "Internal Server Error", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+
+
+def reason_phrase(status: int) -> str:
+    """The status line's reason: the standard library's table (http.HTTPStatus), the one the guard sends too."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
 
 
 class BadRequest(Exception):
@@ -85,7 +91,7 @@ def parse_request(head: bytes) -> Request:
 def build_response(status: int, body: bytes, content_type: str, *, keep_alive: bool, version: str = "HTTP/1.1",
                    head_only: bool = False, extra_headers: tuple[tuple[str, str], ...] = ()) -> bytes:
     """Status line, headers and body in one buffer (one write, one segment on loopback)."""
-    lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}",
+    lines = [f"HTTP/1.1 {status} {reason_phrase(status)}",
              f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
     if not keep_alive:
         lines.append("Connection: close")
@@ -96,4 +102,4 @@ def build_response(status: int, body: bytes, content_type: str, *, keep_alive: b
     return head if head_only else head + body
 
 
-__all__ = ["BadRequest", "Request", "build_response", "parse_request", "split_head"]
+__all__ = ["BadRequest", "Request", "build_response", "parse_request", "reason_phrase", "split_head"]

@@ -30,6 +30,7 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import resource
 import selectors
 import socket
@@ -599,19 +600,29 @@ def _bind(host: str, port: int, backlog: int) -> socket.socket:
         sock.listen(backlog)
     except OSError as exc:
         sock.close()
-        where = format_listen(host, port)
-        reason = exc.strerror or str(exc)
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise ConfigError(f"cannot listen on {where}: {reason} (the address is not one of this "
-                              "machine's)") from None
-        hint = ""
-        if exc.errno == errno.EADDRINUSE:
-            hint = " (another exporter or memtel daemon is using it; choose another with --listen HOST:PORT)"
-        elif exc.errno == errno.EACCES:
-            hint = " (ports below 1024 need root or CAP_NET_BIND_SERVICE)"
-        raise ListenError(f"cannot listen on {where}: {reason}{hint}") from None
+        raise listen_failed(host, port, exc) from None
     sock.setblocking(False)
     return sock
+
+
+def listen_failed(host: str, port: int, exc: OSError) -> ConfigError | ListenError:
+    """The one error of every server command whose address cannot be bound (the exporter, the guard, the lab):
+    one line with HOST:PORT and the system's reason, never a library's wording (asyncio quotes its address
+    tuple). An address that is not this machine's is bad input (ConfigError, exit 2); one in use or refused is
+    ListenError (exit 1), as docs/cli.md's table of exit codes says."""
+    where = format_listen(host, port)
+    if isinstance(exc, socket.gaierror):   # its errno is the resolver's (negative), not the system's
+        return ConfigError(f"cannot listen on {where}: {exc.strerror} (expected an address or host name of this "
+                           "machine)")
+    reason = os.strerror(exc.errno) if exc.errno else (exc.strerror or str(exc))
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return ConfigError(f"cannot listen on {where}: {reason} (the address is not one of this machine's)")
+    hint = ""
+    if exc.errno == errno.EADDRINUSE:
+        hint = " (another program is using it: stop it or choose another port)"
+    elif exc.errno == errno.EACCES:
+        hint = " (ports below 1024 need root or CAP_NET_BIND_SERVICE)"
+    return ListenError(f"cannot listen on {where}: {reason}{hint}")
 
 
 def _bounded_connections(wanted: int) -> int:
@@ -626,4 +637,4 @@ def _bounded_connections(wanted: int) -> int:
     return min(wanted, allowed)
 
 
-__all__ = ["ListenError", "MetricsServer", "ServerLimits"]
+__all__ = ["ListenError", "MetricsServer", "ServerLimits", "listen_failed"]

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, TextIO
 
+from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import ConfigError, RunError
 from telemetry.flight.duration import parse_duration
 from telemetry.flight.recorder import CURRENT_RING, HEADROOM_SERIES, PREVIOUS_RING
@@ -37,20 +38,21 @@ GIB = 1024**3
 # (column title, series, scale): the table's columns; a series a record lacks shows as "-".
 TABLE_COLUMNS = (
     ("headroom GiB", HEADROOM_SERIES, GIB),
-    ("MemAvailable GiB", "memtel_node_mem_available_bytes", GIB),
-    ("contig>=2MiB GiB", "memtel_node_mem_free_contiguous_bytes", GIB),
-    ("unaccounted GiB", "memtel_node_mem_unaccounted_bytes", GIB),
-    ("swap used GiB", "memtel_node_swap_used_bytes", GIB),
+    ("MemAvailable GiB", catalogue.MEM_AVAILABLE.series, GIB),
+    ("contig>=2MiB GiB", catalogue.MEM_FREE_CONTIGUOUS.series, GIB),
+    ("unaccounted GiB", catalogue.MEM_UNACCOUNTED.series, GIB),
+    ("swap used GiB", catalogue.SWAP_USED.series, GIB),
 )
-POWER_PREFIX = "memtel_gpu_power_watts{"
+POWER_PREFIX = catalogue.GPU_POWER.series + "{"   # a record's key: the series, then its labels (one per GPU)
+NV_ERR_SERIES = catalogue.KERNEL_NV_ERR_NO_MEMORY[0].series   # the kernel lines, not their bursts
 KERNEL_COUNTERS = (
-    ("NV_ERR", "memtel_kernel_nv_err_no_memory_total"),
-    ("OOM kills", "memtel_kernel_oom_kills_total"),
+    ("NV_ERR", NV_ERR_SERIES),
+    ("OOM kills", catalogue.KERNEL_OOM_KILLS[0].series),
 )
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="flight_action", metavar="ACTION")
+    actions = parser.add_subparsers(dest="flight_action", metavar="COMMAND")
     show = actions.add_parser("show", help="print or plot the recorded records",
                               description="Print or plot the flight recorder's records.")
     where = show.add_mutually_exclusive_group()
@@ -147,7 +149,7 @@ def as_csv(records: list[Record], out: TextIO) -> None:
                                                           for k in keys)])
 
 
-MEM_TOTAL_SERIES = "memtel_node_mem_total_bytes"
+MEM_TOTAL_SERIES = catalogue.MEM_TOTAL.series
 # The floor of MemtelUnifiedHeadroomLow: dashboards/prometheus/memtel-alerts.yml records it as
 # memtel:unified_headroom_low_threshold_bytes (tests/daemon/test_flight_plot.py holds the two together).
 HEADROOM_LOW_FLOOR_BYTES = 4 * GIB
@@ -211,7 +213,7 @@ def draw(plt: ModuleType, contents: RingContents, records: list[Record]) -> Figu
     if floor is not None:
         axes.axhline(floor / GIB, color="tab:purple", linestyle=":", linewidth=1.5, zorder=4,
                      label=f"falling-alert floor ({FALLING.floor_ratio:.0%} of MemTotal)")
-    nv_err = [(s, r.values.get("memtel_kernel_nv_err_no_memory_total")) for s, r in zip(seconds, records, strict=False)]
+    nv_err = [(s, r.values.get(NV_ERR_SERIES)) for s, r in zip(seconds, records, strict=False)]
     for (_, before), (s, after) in itertools.pairwise(nv_err):
         if before is not None and after is not None and after > before:
             axes.axvline(s, color="red", alpha=0.3, linewidth=1)

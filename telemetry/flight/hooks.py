@@ -10,52 +10,48 @@ series kept per target, the number of targets (config).
 
 from __future__ import annotations
 
-import http.client
 import logging
 import threading
-import urllib.error
-import urllib.request
-from typing import IO
+import time
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from telemetry.catalogue import metrics as catalogue
+from telemetry.catalogue.fields import ALLOCATOR_FAMILIES
 from telemetry.flight.recorder import series_key
+from telemetry.scrape import Endpoint, Exposition, ExpositionError, FetchError, parse, parse_url, read_metrics
 
 log = logging.getLogger("memtel.daemon.flight")
 
 MAX_RESPONSE_BYTES = 1 << 20
 MAX_SERIES_PER_TARGET = 256
-KEPT_PREFIXES = ("memtel_allocator_", "memtel_hook_host_", "memtel_engine_start_")
-_SKIPPED_SUFFIXES = ("_bucket", "_created")
+# The hook's series the recorder keeps: the allocator's, the host memory it read, the engine's start.
+KEPT = (*(entry for _, entry in ALLOCATOR_FAMILIES), catalogue.HOOK_HOST_MEM_AVAILABLE,
+        catalogue.HOOK_HOST_SWAP_FREE, catalogue.ENGINE_START_REMAINING)
+
+
+def kept_values(exposition: Exposition, target: str) -> dict[str, float]:
+    """The kept samples of one hook exporter's exposition, labelled with `target`."""
+    names = {name for entry in KEPT for name in entry.sample_names}
+    values: dict[str, float] = {}
+    for sample in exposition.samples:
+        if sample.name not in names:
+            continue
+        if len(values) >= MAX_SERIES_PER_TARGET:
+            return values
+        values[series_key(sample.name, {**sample.labels, "target": target})] = sample.value
+    return values
 
 
 def hook_series(text: str, target: str) -> dict[str, float]:
     """The allocator, host-memory and engine-start samples of one hook exporter's /metrics text, labelled with
     `target`."""
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.name.startswith(KEPT_PREFIXES) or sample.name.endswith(_SKIPPED_SUFFIXES):
-                continue
-            if len(values) >= MAX_SERIES_PER_TARGET:
-                return values
-            values[series_key(sample.name, {**sample.labels, "target": target})] = float(sample.value)
-    return values
+    return kept_values(parse(text, only=KEPT), target)
 
 
-def target_url(target: str) -> str:
-    """`HOST:PORT` (config.py checks the form) as its /metrics URL; plain HTTP, meant for loopback."""
-    return f"http://{target}/metrics"
-
-
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str,
-                         headers: http.client.HTTPMessage, newurl: str) -> None:
-        return None  # a root daemon follows no redirect to elsewhere
-
-
-# No proxy from the environment (http_proxy would route a loopback scrape elsewhere) and no redirects.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
+def target_url(target: str) -> Endpoint:
+    """`HOST:PORT` (config.py checks the form) as its /metrics URL; plain HTTP, meant for loopback. Read through
+    telemetry/scrape: no proxy from the environment (http_proxy would route a loopback scrape elsewhere), no
+    redirect followed by a root daemon."""
+    return parse_url(target, "flight.hook_targets")
 
 
 class HookScraper:
@@ -72,12 +68,10 @@ class HookScraper:
     def scrape_once(self) -> None:
         for target in self.targets:
             try:
-                with _OPENER.open(target_url(target), timeout=self.timeout_seconds) as response:
-                    body = response.read(MAX_RESPONSE_BYTES + 1)
-                if len(body) > MAX_RESPONSE_BYTES:
-                    raise ValueError(f"response larger than {MAX_RESPONSE_BYTES} bytes")
-                values = hook_series(body.decode("utf-8", "replace"), target)
-            except (OSError, ValueError, urllib.error.URLError) as exc:
+                exposition = read_metrics(target_url(target), time.monotonic() + self.timeout_seconds,
+                                          MAX_RESPONSE_BYTES, only=KEPT)
+                values = kept_values(exposition, target)
+            except (FetchError, ExpositionError, ValueError) as exc:
                 with self._lock:
                     self._last.pop(target, None)  # a dead exporter leaves no stale values in the records
                 if target not in self._failing:

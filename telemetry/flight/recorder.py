@@ -29,7 +29,9 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
+from telemetry.catalogue import FAMILIES
 from telemetry.catalogue.metrics import (
+    COLLECTOR_DURATION,
     FLIGHT_LAST_RECORD_BYTES,
     FLIGHT_LAST_RECORD_TIME,
     FLIGHT_LAST_WRITE_DURATION,
@@ -39,6 +41,7 @@ from telemetry.catalogue.metrics import (
     FLIGHT_RECORDING,
     FLIGHT_RECORDS_WRITTEN,
     FLIGHT_WRITE_FAILURES,
+    UNIFIED_HEADROOM,
 )
 from telemetry.flight.ring import (
     Record,
@@ -59,12 +62,13 @@ log = logging.getLogger("memtel.daemon.flight")
 
 CURRENT_RING = "current.ring"
 PREVIOUS_RING = "previous.ring"
-HEADROOM_SERIES = "memtel_node_unified_headroom_bytes"
+HEADROOM_SERIES = UNIFIED_HEADROOM.series
 DEFAULT_DURATION_SECONDS = 900.0
 DEFAULT_INTERVAL_SECONDS = 1.0
-# Collector series that change on every sample and say nothing about the node.
-_SKIPPED_SERIES = frozenset({"memtel_collector_duration_seconds"})
-_SKIPPED_PREFIX = "memtel_flight_"  # the recorder's own series (in a scrape's families)
+# Collector series that change on every sample and say nothing about the node, and the recorder's own series
+# (in a scrape's families).
+_SKIPPED_SERIES = frozenset({COLLECTOR_DURATION.series, *(
+    name for entry in FAMILIES.values() if entry.source == "flight" for name in entry.sample_names)})
 
 
 def series_key(name: str, labels: dict[str, str]) -> str:
@@ -82,8 +86,7 @@ def series_values(families: Iterable[Metric], skip: frozenset[str] = _SKIPPED_SE
     values: dict[str, float] = {}
     for family in families:
         for sample in family.samples:
-            if sample.name not in skip and not sample.name.startswith(_SKIPPED_PREFIX) and \
-                    sample.labels.get("collector") != "flight":
+            if sample.name not in skip and sample.labels.get("collector") != "flight":
                 values[series_key(sample.name, sample.labels)] = float(sample.value)
     return values
 

@@ -1,6 +1,9 @@
 """`memtel guard`: refuse, before the engine sees it, the prompt whose prefill would not fit.
 
-- `GuardProxy` (proxy.py): the reverse proxy; sizes completion prompts, forwards or answers 503.
+- `GuardProxy` (proxy.py): the reverse proxy; sizes completion prompts, forwards (to the replica with the most
+  room, given several) or answers 503.
+- `GuardQueue` (queue.py): a prompt that does not fit now waits for room (--queue-s) instead of a 503 at once.
+- replicas.py: the engines behind the guard from --upstream/--hooks, --replica or a --replicas YAML file.
 - `LimitTracker` (limit.py): the hooks' forecasts, the limit in force, the blind episodes.
 - `PromptSize`, `measure` (prompt.py): a prompt's tokens bounded from above and below without a tokenizer.
 - `GuardMetrics`, `GuardCollector`, `guard_registry` (metrics.py): the guard's own Prometheus metrics.

@@ -1,11 +1,13 @@
 """`memtel guard`: an OpenAI-compatible reverse proxy that refuses the prompt the engine could not take.
 
     memtel guard --upstream URL --listen HOST:PORT --hooks URL[,URL...] [--reserve-mb M] [--stale-s S]
-                 [--when-blind admit|reject] [--metrics-listen HOST:PORT]
+                 [--when-blind admit|reject] [--metrics-listen HOST:PORT] [--queue-s S] [--max-queued N]
+    memtel guard --replica URL=HOOK[,HOOK...] --replica ... | --replicas FILE.yaml  --listen HOST:PORT ...
 
 It reads the longest prefill that fits (memtel_forecast_max_prefill_tokens) from the ranks' hook
-exporters, sizes every /v1/completions and /v1/chat/completions prompt, forwards what fits and answers
-503 with Retry-After for what would not. docs/guard.md says how the limit is computed and how to deploy it.
+exporters, sizes every /v1/completions and /v1/chat/completions prompt, forwards what fits (to the replica
+with the most room, given several), holds what does not fit now for up to --queue-s, and answers 503 with
+Retry-After for what still would not. docs/guard.md says how the limit is computed and how to deploy it.
 SIGTERM or Ctrl-C stops it.
 """
 
@@ -13,33 +15,45 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 
-from telemetry.argtypes import bounded_float
-from telemetry.errors import ConfigError, RunError
-from telemetry.exporter import MetricsServer, format_listen, parse_listen
+from telemetry.argtypes import add_log_level, bounded_float, bounded_int
+from telemetry.exporter import MetricsServer, format_listen, listen_failed, parse_listen
 from telemetry.exporter.metrics import ExporterCollector
-from telemetry.guard.limit import HookTarget, LimitTracker, scrape_forever
+from telemetry.guard.limit import LimitTracker, scrape_forever
 from telemetry.guard.metrics import GuardMetrics, guard_registry
-from telemetry.guard.proxy import WHEN_BLIND, GuardProxy, Upstream
+from telemetry.guard.proxy import WHEN_BLIND, GuardLimits, GuardProxy
+from telemetry.guard.replicas import MAX_HOOKS, engines, hook_targets
 
 log = logging.getLogger("memtel.guard")
 
 DEFAULT_STALE_S = 15.0  # three of the hook's default 5 s forecast cycles
-MAX_HOOKS = 64
 MAX_RESERVE_MB = 16 << 20  # 16 TiB
+MAX_QUEUE_S = 3600.0
+MAX_QUEUED = 100_000
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--upstream", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--listen", required=True, help="where clients connect: HOST:PORT, e.g. 0.0.0.0:8001")
-    parser.add_argument("--hooks", required=True,
+    parser.add_argument("--upstream", default=None, metavar="URL", help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--listen", required=True, metavar="HOST:PORT",
+                        help="where clients connect, e.g. 0.0.0.0:8001")
+    parser.add_argument("--hooks", default=None, metavar="URL[,URL...]",
                         help="the ranks' hook exporters, comma-separated (both nodes of a TP=2 pair), e.g. "
                              "http://10.0.0.1:9200,http://10.0.0.2:9200")
+    parser.add_argument("--replica", action="append", default=None, metavar="URL=HOOK[,HOOK...]",
+                        help="one engine of several and its ranks' hooks (repeat it; instead of --upstream/--hooks): "
+                             "each prompt goes to the replica with the most room")
+    parser.add_argument("--replicas", default=None, metavar="FILE.yaml",
+                        help="the replicas in a YAML file: replicas: [{upstream: URL, hooks: [URL, ...]}, ...]")
+    parser.add_argument("--queue-s", type=bounded_float(0, MAX_QUEUE_S), default=0.0,
+                        help="how long a prompt that does not fit now waits in the guard's queue for room before "
+                             "its 503 (default 0: 503 at once)")
+    parser.add_argument("--max-queued", type=bounded_int(1, MAX_QUEUED), default=GuardLimits.max_queued,
+                        help=f"requests waiting at most; past it, 503 at once (default {GuardLimits.max_queued}; "
+                             "each holds its body, up to 64 MiB)")
     parser.add_argument("--reserve-mb", type=bounded_float(0, MAX_RESERVE_MB), default=0.0,
                         help="keep this much more of each rank's budget free (default 0: the hook's budget already "
                              "leaves MEMTEL_GUARD_RESERVE_MB)")
@@ -47,69 +61,61 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"a hook's forecast older than this is not used (default {DEFAULT_STALE_S:g})")
     parser.add_argument("--when-blind", choices=WHEN_BLIND, default="admit",
                         help="what to do with completion requests while no hook is fresh (default admit)")
-    parser.add_argument("--metrics-listen", default=None,
+    parser.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                         help="serve the guard's own metrics on HOST:PORT /metrics (default: not served)")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-
-
-def hook_targets(text: str) -> list[HookTarget]:
-    items = [item.strip() for item in text.split(",")]
-    if not text.strip() or any(not item for item in items):
-        raise ConfigError(f"--hooks: {text[:80]!r}: expected one or more hook URLs separated by commas")
-    if len(items) > MAX_HOOKS:
-        raise ConfigError(f"--hooks: {len(items)} URLs; at most {MAX_HOOKS}")
-    targets = [HookTarget.parse(item) for item in items]
-    if len({t.url for t in targets}) != len(targets):
-        raise ConfigError("--hooks: a hook URL is given twice")
-    return targets
+    add_log_level(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    upstream = Upstream.parse(args.upstream)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    specs = engines(args.upstream, args.hooks, args.replica, args.replicas)
     host, port = parse_listen(args.listen, "--listen")
-    targets = hook_targets(args.hooks)
     metrics_address = parse_listen(args.metrics_listen, "--metrics-listen") if args.metrics_listen else None
-    tracker = LimitTracker(targets, stale_s=args.stale_s, reserve_bytes=args.reserve_mb * (1 << 20))
+    replicas = [(upstream, LimitTracker(targets, stale_s=args.stale_s, reserve_bytes=args.reserve_mb * (1 << 20)))
+                for upstream, targets in specs]
     metrics = GuardMetrics()
-    registry = guard_registry(metrics, tracker)
-    proxy = GuardProxy(upstream, tracker, metrics, when_blind=args.when_blind)
+    limits = GuardLimits(queue_s=args.queue_s, max_queued=args.max_queued)
+    proxy = GuardProxy(*replicas[0], metrics, when_blind=args.when_blind, limits=limits, replicas=replicas)
+    registry = guard_registry(metrics, proxy.tracker, proxy.replicas)
     server = None
     if metrics_address is not None:
         server = MetricsServer(*metrics_address, registry, name="memtel-guard")  # binds now: fails first
         registry.register(ExporterCollector(server))
     try:
-        return asyncio.run(_serve(proxy, tracker, host, port, server, args.stale_s))
+        return asyncio.run(_serve(proxy, host, port, server, args.stale_s))
     finally:
         if server is not None:
             server.stop()
 
 
-async def _serve(proxy: GuardProxy, tracker: LimitTracker, host: str, port: int, server: MetricsServer | None,
-                 stale_s: float) -> int:
+async def _serve(proxy: GuardProxy, host: str, port: int, server: MetricsServer | None, stale_s: float) -> int:
     try:
         bound = await proxy.start(host, port)
     except OSError as exc:
-        raise RunError(f"cannot listen on {format_listen(host, port)}: {exc.strerror or exc}") from None
+        raise listen_failed(host, port, exc) from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     poll_s = min(1.0, stale_s / 3)
-    scraper = asyncio.create_task(scrape_forever(tracker, poll_s, timeout_s=max(0.2, min(5.0, stale_s / 2))))
+    timeout_s = max(0.2, min(5.0, stale_s / 2))
+    tasks = [asyncio.create_task(scrape_forever(r.tracker, poll_s, timeout_s)) for r in proxy.replicas]
+    if len(proxy.replicas) > 1:  # one replica never leaves the pool: its failures reach the client as today
+        tasks.append(asyncio.create_task(proxy.watch_health(poll_s, timeout_s)))
     if server is not None:
         server.start()
     log.info("memtel guard on http://%s in front of %s, reading %d hook(s); metrics %s", format_listen(host, bound),
-             proxy.upstream.url, len(tracker.hooks), server.url + "/metrics" if server else "not served")
+             ", ".join(r.name for r in proxy.replicas), sum(len(r.tracker.hooks) for r in proxy.replicas),
+             server.url + "/metrics" if server else "not served")
     try:
         await stop.wait()
     finally:
-        scraper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await scraper
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await proxy.stop()
     log.info("memtel guard stopped")
     return 0
 
 
-__all__ = ["configure", "hook_targets", "run"]
+__all__ = ["MAX_HOOKS", "configure", "hook_targets", "run"]

@@ -26,9 +26,10 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from http import HTTPStatus
 
 import h11
+
+from telemetry.exporter.protocol import reason_phrase
 
 BUFFER_BYTES = 65536  # a connection stops reading the socket while this much waits unread
 RELAY_PIECE = 65536  # an upstream chunk larger than this is relayed in pieces of this size
@@ -70,6 +71,7 @@ class Channel(asyncio.Protocol):
         self._paused_writing = False
         self.closed = False
         self.idle = False  # pooled: any byte or EOF now is not an answer to anything, so the connection goes
+        self._gone: asyncio.Future[None] | None = None  # resolved at the peer's EOF (`gone`)
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -112,6 +114,17 @@ class Channel(asyncio.Protocol):
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        if self._eof and self._gone is not None and not self._gone.done():
+            self._gone.set_result(None)
+
+    def gone(self) -> asyncio.Future[None]:
+        """A future resolved when the peer closes its side (EOF) or the connection is lost: a queued client
+        that leaves is seen at once, without reading (its next request, if pipelined, stays buffered)."""
+        if self._gone is None:
+            self._gone = asyncio.get_running_loop().create_future()
+            if self._eof:
+                self._gone.set_result(None)
+        return self._gone
 
     # -- the pipe ----------------------------------------------------------------------------------
     async def read(self, timeout_s: float | None) -> bytes:
@@ -208,10 +221,7 @@ class Request:
 
 
 def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode("ascii")
-    except ValueError:
-        return b""
+    return reason_phrase(status).encode("ascii")   # the exporter's table too (telemetry/exporter/protocol.py)
 
 
 def _wire(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:

@@ -24,13 +24,13 @@ import math
 import ssl
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import ConfigError
 from telemetry.guard.http import ClientSide, UpstreamError, open_channel
+from telemetry.scrape import Endpoint, parse
 
 log = logging.getLogger("memtel.guard")
 
@@ -38,7 +38,8 @@ MAX_PREFILL = catalogue.FORECAST_MAX_PREFILL_TOKENS.series
 FIT_BUDGET = catalogue.FORECAST_FIT_BUDGET.series
 LAST_SUCCESS = catalogue.FORECAST_LAST_SUCCESS.series
 GROWTH = catalogue.FORECAST_RESERVED_GROWTH.series
-_WANTED = (MAX_PREFILL, FIT_BUDGET, LAST_SUCCESS, GROWTH)
+_WANTED = (catalogue.FORECAST_MAX_PREFILL_TOKENS, catalogue.FORECAST_FIT_BUDGET, catalogue.FORECAST_LAST_SUCCESS,
+           catalogue.FORECAST_RESERVED_GROWTH)
 MAX_METRICS_BYTES = 4 << 20  # a hook's /metrics is tens of kB; a larger answer is not a hook's
 MAX_HEAD_BYTES = 16384
 # How far ahead of the guard's clock a forecast's timestamp may be (the hooks' nodes' clocks, NTP-synced,
@@ -56,15 +57,15 @@ class HookTarget:
     authorization: str | None = None
 
     @classmethod
-    def parse(cls, text: str) -> HookTarget:
+    def parse(cls, text: str, flag: str = "--hooks") -> HookTarget:
         expected = "expected http://HOST:PORT or https://HOST:PORT[/metrics] of a rank's hook exporter"
         try:
             parts = urllib.parse.urlsplit(text.strip())
             port = parts.port
         except ValueError:
-            raise ConfigError(f"--hooks: {text[:80]!r} is not a URL; {expected}") from None
+            raise ConfigError(f"{flag}: {text[:80]!r} is not a URL; {expected}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"--hooks: {text[:80]!r} is not a URL; {expected}")
+            raise ConfigError(f"{flag}: {text[:80]!r} is not a URL; {expected}")
         auth = None
         if parts.username is not None:
             user = urllib.parse.unquote(parts.username)
@@ -75,6 +76,10 @@ class HookTarget:
         port = port or (443 if parts.scheme == "https" else 80)
         path = parts.path if parts.path not in ("", "/") else "/metrics"
         return cls(f"{parts.scheme}://{shown_host}:{port}{path}", host, port, path, parts.scheme == "https", auth)
+
+    @property
+    def host_header(self) -> str:
+        return Endpoint("http", self.host, self.port, self.path).host_port
 
 
 @dataclass(frozen=True)
@@ -128,18 +133,16 @@ def _bad(value: float | None, *, positive: bool = False) -> bool:
 def parse_hook(text: str) -> tuple[list[RankFit], list[str]]:
     """The ranks' forecasts in a hook's exposition text (only the wanted series are parsed), and why each rank
     that exports nonsense (a NaN, infinite or negative gauge or forecast time) is left out."""
-    lines = [line for line in text.splitlines() if line.startswith(_WANTED)]
     values: dict[tuple[str, str], dict[str, float]] = {}
     growth: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for sample in family.samples:
-            key = (sample.labels.get("rank", ""), sample.labels.get("node", ""))
-            if sample.name == GROWTH:
-                length = sample.labels.get("tokens", "")
-                if length.isdigit() and len(length) <= 18 and math.isfinite(sample.value) and sample.value >= 0:
-                    growth.setdefault(key, []).append((int(length), sample.value))
-            elif sample.name in (MAX_PREFILL, FIT_BUDGET, LAST_SUCCESS):
-                values.setdefault(key, {})[sample.name] = sample.value
+    for sample in parse(text, only=_WANTED).samples:   # the other lines are not parsed
+        key = (sample.labels.get("rank", ""), sample.labels.get("node", ""))
+        if sample.name == GROWTH:
+            length = sample.labels.get("tokens", "")
+            if length.isdigit() and len(length) <= 18 and math.isfinite(sample.value) and sample.value >= 0:
+                growth.setdefault(key, []).append((int(length), sample.value))
+        elif sample.name in (MAX_PREFILL, FIT_BUDGET, LAST_SUCCESS):
+            values.setdefault(key, {})[sample.name] = sample.value
     fits, rejected = [], []
     for (rank, node), found in values.items():
         tokens, budget, at = found.get(MAX_PREFILL), found.get(FIT_BUDGET), found.get(LAST_SUCCESS)
@@ -192,6 +195,17 @@ class LimitTracker:
         # What the last `limit()` found, for the metrics (read on the exporter's threads, written on the loop's).
         self.published: Limit | None = None
         self.published_fresh = 0
+        # Called on the loop whenever the limit may have changed (a hook's scrape, a hold released): the guard's
+        # queue wakes its waiters from here instead of polling (telemetry/guard/queue.py).
+        self._listeners: list[Callable[[], None]] = []
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` (on the event loop, without arguments) whenever the limit may have risen."""
+        self._listeners.append(listener)
+
+    def notify(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     # -- the hooks' answers ------------------------------------------------------------------------
     def record(self, hook: HookState, fits: list[RankFit] | None, error: str | None,
@@ -199,9 +213,12 @@ class LimitTracker:
         if fits is not None:
             hook.fits, hook.scraped_at, hook.error = fits, time.monotonic(), None
             hook.rejected = rejected or []
+            self.notify()  # a new limit
         else:
             hook.error = error
             hook.failures += 1
+            if hook.scraped_at is None or time.monotonic() - hook.scraped_at > self.stale_s:
+                self.notify()  # its forecast is stale now: maybe blind (--when-blind admit then admits the waiters)
 
     def fresh(self) -> list[tuple[HookState, RankFit]]:
         now, wall = time.monotonic(), time.time()
@@ -247,6 +264,7 @@ class LimitTracker:
 
     def release(self, tokens: int) -> None:
         self.in_prefill_tokens = max(0, self.in_prefill_tokens - tokens)
+        self.notify()
 
     def _set_blind(self, blind: bool) -> None:
         now = time.monotonic()
@@ -280,7 +298,7 @@ async def fetch_metrics(target: HookTarget, timeout_s: float) -> bytes:
         context = ssl.create_default_context() if target.tls else None
         side = ClientSide(await open_channel(target.host, target.port, context, timeout_s), MAX_HEAD_BYTES)
         try:
-            headers = [("Host", f"{target.host}:{target.port}"), ("Accept", "text/plain"), ("Connection", "close")]
+            headers = [("Host", target.host_header), ("Accept", "text/plain"), ("Connection", "close")]
             if target.authorization:
                 headers.append(("Authorization", target.authorization))
             await side.send_request("GET", target.path, headers, b"", timeout_s)

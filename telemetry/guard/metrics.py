@@ -12,20 +12,24 @@ import bisect
 import collections
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from telemetry.catalogue import metrics as catalogue
-from telemetry.catalogue.family import Family
+from telemetry.catalogue.family import Family, HistogramFamily
 from telemetry.guard.limit import LimitTracker
 
 # The guard adds well under a millisecond when it forwards by the byte bound, and an upstream /tokenize
 # call (milliseconds to a second for a long prompt) when it has to count.
 ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                          2.5, 5.0)
+QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+HISTOGRAM_BUCKETS: dict[HistogramFamily, tuple[float, ...]] = {catalogue.GUARD_ADDED_LATENCY: ADDED_LATENCY_BUCKETS,
+                                                      catalogue.GUARD_QUEUE_WAIT: QUEUE_WAIT_BUCKETS}
 # Label values exported even at 0, so a rate() sees the first one.
 FIXED_LABELS: dict[Family, tuple[tuple[str, ...], ...]] = {
     catalogue.GUARD_REJECTED: (("context_length_exceeded",), ("would_not_fit",), ("in_prefill",), ("blind",),
@@ -35,53 +39,79 @@ FIXED_LABELS: dict[Family, tuple[tuple[str, ...], ...]] = {
     catalogue.GUARD_CONNECTIONS: (("evicted",), ("refused",)),
     catalogue.GUARD_PASSED_THROUGH: ((),),
     catalogue.GUARD_TOKENIZE_CALLS: ((),),
+    catalogue.GUARD_QUEUE_OUTCOMES: (("admitted",), ("timed_out",), ("client_left",), ("queue_full",), ("refused",)),
 }
 
 
 class GuardMetrics:
-    """Counts the proxy keeps: by catalogue family and label values, and the added-latency histogram."""
+    """Counts the proxy keeps: by catalogue family and label values, its histograms, and the queue's depth."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: collections.Counter[tuple[Family, tuple[str, ...]]] = collections.Counter()
-        self._buckets = [0] * (len(ADDED_LATENCY_BUCKETS) + 1)
-        self._latency_sum = 0.0
+        self._histograms: dict[HistogramFamily, tuple[list[int], float]] = {
+            family: ([0] * (len(bounds) + 1), 0.0) for family, bounds in HISTOGRAM_BUCKETS.items()}
+        self.queue_depth = 0  # written on the loop by the queue, read by scrapes
 
     def count(self, family: Family, *labels: str) -> None:
         with self._lock:
             self._counts[(family, labels)] += 1
 
-    def observe_added(self, seconds: float) -> None:
+    def observe(self, family: HistogramFamily, seconds: float) -> None:
         with self._lock:
-            self._buckets[bisect.bisect_left(ADDED_LATENCY_BUCKETS, seconds)] += 1
-            self._latency_sum += seconds
+            buckets, total = self._histograms[family]
+            buckets[bisect.bisect_left(HISTOGRAM_BUCKETS[family], seconds)] += 1
+            self._histograms[family] = (buckets, total + seconds)
+
+    def observe_added(self, seconds: float) -> None:
+        self.observe(catalogue.GUARD_ADDED_LATENCY, seconds)
 
     def counts(self) -> dict[tuple[Family, tuple[str, ...]], int]:
         with self._lock:
             return dict(self._counts)
 
-    def latency(self) -> tuple[list[int], float]:
+    def histogram(self, family: HistogramFamily) -> tuple[list[int], float]:
         with self._lock:
-            return list(self._buckets), self._latency_sum
+            buckets, total = self._histograms[family]
+            return list(buckets), total
+
+    def latency(self) -> tuple[list[int], float]:
+        return self.histogram(catalogue.GUARD_ADDED_LATENCY)
+
+
+class ReplicaState(Protocol):
+    """What the metrics read of a replica (telemetry/guard/replicas.py)."""
+
+    name: str
+    tracker: LimitTracker
+    healthy: bool
 
 
 class GuardCollector(Collector):
     """The guard's families, built fresh on every scrape."""
 
-    def __init__(self, metrics: GuardMetrics, tracker: LimitTracker) -> None:
+    def __init__(self, metrics: GuardMetrics, tracker: LimitTracker,
+                 replicas: Sequence[ReplicaState] = ()) -> None:
         self.metrics = metrics
         self.tracker = tracker
+        self.replicas = replicas  # with two or more, the limit families sum or pick over them (docs/guard.md)
 
     def collect(self) -> Iterator[Metric]:
         yield from self._counters()
-        yield self._latency()
-        yield from self._limit()
+        yield self._histogram(catalogue.GUARD_ADDED_LATENCY)
+        yield self._histogram(catalogue.GUARD_QUEUE_WAIT)
+        yield catalogue.GUARD_QUEUE_DEPTH.new(self.metrics.queue_depth)
+        if len(self.replicas) > 1:
+            yield from self._replicas()
+        else:
+            yield from self._limit()
 
     def _counters(self) -> Iterator[Metric]:
         counts = self.metrics.counts()
         for family in (catalogue.GUARD_ADMITTED, catalogue.GUARD_REJECTED, catalogue.GUARD_BLIND_DECISIONS,
                        catalogue.GUARD_PASSED_THROUGH, catalogue.GUARD_TOKENIZE_CALLS,
-                       catalogue.GUARD_UPSTREAM_FAILURES, catalogue.GUARD_CONNECTIONS):
+                       catalogue.GUARD_UPSTREAM_FAILURES, catalogue.GUARD_CONNECTIONS, catalogue.GUARD_QUEUE_OUTCOMES,
+                       catalogue.GUARD_REPLICA_FORWARDED):
             values = {labels: 0 for labels in FIXED_LABELS.get(family, ())}
             values.update({labels: n for (f, labels), n in counts.items() if f == family})
             if not family.labels:
@@ -92,11 +122,11 @@ class GuardCollector(Collector):
                 metric.add_metric(list(labels), n)
             yield metric
 
-    def _latency(self) -> Metric:
-        buckets, total = self.metrics.latency()
-        metric = catalogue.GUARD_ADDED_LATENCY.new()
+    def _histogram(self, family: HistogramFamily) -> Metric:
+        buckets, total = self.metrics.histogram(family)
+        metric = family.new()
         cumulative, running = [], 0
-        for bound, n in zip((*ADDED_LATENCY_BUCKETS, float("inf")), buckets, strict=True):
+        for bound, n in zip((*HISTOGRAM_BUCKETS[family], float("inf")), buckets, strict=True):
             running += n
             cumulative.append(("+Inf" if bound == float("inf") else repr(bound), running))
         metric.add_metric([], cumulative, total)
@@ -121,14 +151,48 @@ class GuardCollector(Collector):
             failures.add_metric([hook.target.url], hook.failures)
         yield failures
 
+    def _replicas(self) -> Iterator[Metric]:
+        """Several replicas: the longest prompt admitted anywhere, sums of the rest, and each replica's own."""
+        trackers = [r.tracker for r in self.replicas]
+        published = [(t.published, t) for t in trackers if t.published is not None]
+        if published:
+            limit = max((p for p, _t in published), key=lambda p: p.tokens)
+            yield catalogue.GUARD_LIMIT_TOKENS.new(limit.tokens)
+            limiting = catalogue.GUARD_MAX_PREFILL_TOKENS.new()
+            limiting.add_metric([limit.fit.node, limit.fit.rank], limit.rank_tokens)
+            yield limiting
+        now = time.monotonic()
+        yield catalogue.GUARD_IN_PREFILL_TOKENS.new(sum(t.in_prefill_tokens for t in trackers))
+        yield catalogue.GUARD_HOOKS.new(sum(len(t.hooks) for t in trackers))
+        yield catalogue.GUARD_FRESH_RANKS.new(sum(t.published_fresh for t in trackers))
+        yield catalogue.GUARD_BLIND.new(1 if all(t.blind for t in trackers) else 0)
+        yield catalogue.GUARD_BLIND_SECONDS.new(sum(t.blind_seconds_now(now) for t in trackers))
+        yield catalogue.GUARD_BLIND_EPISODES.new(sum(t.blind_episodes for t in trackers))
+        failures = catalogue.GUARD_HOOK_SCRAPE_FAILURES.new()
+        for tracker in trackers:
+            for hook in tracker.hooks:
+                failures.add_metric([hook.target.url], hook.failures)
+        yield failures
+        in_pool = catalogue.GUARD_REPLICA_IN_POOL.new()
+        room = catalogue.GUARD_REPLICA_LIMIT_TOKENS.new()
+        for replica in self.replicas:
+            limit_now = replica.tracker.published
+            in_pool.add_metric([replica.name], 1 if replica.healthy and limit_now is not None else 0)
+            if limit_now is not None:
+                room.add_metric([replica.name], limit_now.tokens)
+        yield in_pool
+        yield room
+
     def describe(self) -> list[Metric]:
         return []
 
 
-def guard_registry(metrics: GuardMetrics, tracker: LimitTracker) -> CollectorRegistry:
+def guard_registry(metrics: GuardMetrics, tracker: LimitTracker,
+                   replicas: Sequence[ReplicaState] = ()) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GuardCollector(metrics, tracker))
+    registry.register(GuardCollector(metrics, tracker, replicas))
     return registry
 
 
-__all__ = ["ADDED_LATENCY_BUCKETS", "GuardCollector", "GuardMetrics", "guard_registry"]
+__all__ = ["ADDED_LATENCY_BUCKETS", "QUEUE_WAIT_BUCKETS", "GuardCollector", "GuardMetrics", "ReplicaState",
+           "guard_registry"]

@@ -52,10 +52,11 @@ from telemetry.guard.http import (
     end_to_end,
     open_channel,
 )
-from telemetry.guard.limit import LimitTracker
+from telemetry.guard.limit import HookTarget, LimitTracker, fetch_metrics
 from telemetry.guard.metrics import GuardMetrics
 from telemetry.guard.prompt import CHAT_COMPLETIONS, COMPLETIONS, PromptError, PromptSize, measure, parse_body
-from telemetry.guard.refusal import MODELS_PATH, RETRY_AFTER_S, ContextLength, Refusal, error_body
+from telemetry.guard.queue import ClientLeft, GuardQueue, QueueFull, needed, transient
+from telemetry.guard.refusal import MODELS_PATH, RETRY_AFTER_S, ContextLength, Refusal, behind, error_body
 
 log = logging.getLogger("memtel.guard")
 
@@ -73,6 +74,7 @@ LINGER_BYTES = 128 << 20
 # Smaller ones, a 1M-token prompt included (4 to 8 MB, 30 to 60 ms here), are parsed on the loop: handing
 # them to a thread made the 1M-token refusal about 25 ms slower at the median (BENCHMARKS.md, "memtel guard").
 INLINE_PARSE_BYTES = 8 << 20
+BLIND_ROOM = 1 << 62  # the queue's room while blind with --when-blind admit: every waiter is decided again
 # What a body that cannot be parsed raises besides PromptError: a 5,000-digit integer is a ValueError of
 # int()'s digit limit, deep nesting a RecursionError. Each is the client's error: a 400, never a traceback.
 _BODY_ERRORS = (PromptError, ValueError, TypeError, RecursionError, MemoryError)
@@ -89,6 +91,8 @@ class GuardLimits:
     max_body_bytes: int = 64 << 20  # a 1M-token prompt is 4 to 8 MB of JSON
     connect_timeout_s: float = 10.0  # to the upstream
     max_idle_upstream: int = 32  # kept-alive upstream connections
+    queue_s: float = 0.0  # the longest a prompt that does not fit now waits for room (0: 503 at once)
+    max_queued: int = 32  # waiting at most (each holds its body once: at most max_body_bytes)
 
 
 @dataclass(frozen=True)
@@ -99,16 +103,16 @@ class Upstream:
     url: str
 
     @classmethod
-    def parse(cls, text: str) -> Upstream:
+    def parse(cls, text: str, flag: str = "--upstream") -> Upstream:
         expected = "expected the engine's base URL, e.g. http://127.0.0.1:8000"
         try:
             parts = urllib.parse.urlsplit(text.strip())
             port = parts.port
         except ValueError:
-            raise ConfigError(f"--upstream: {text[:80]!r} is not a URL; {expected}") from None
+            raise ConfigError(f"{flag}: {text[:80]!r} is not a URL; {expected}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
                 or parts.query or parts.username:
-            raise ConfigError(f"--upstream: {text[:80]!r} is not a base URL; {expected}")
+            raise ConfigError(f"{flag}: {text[:80]!r} is not a base URL; {expected}")
         port = port or (443 if parts.scheme == "https" else 80)
         host = parts.hostname
         shown = f"[{host}]" if ":" in host else host
@@ -155,6 +159,19 @@ class _UpstreamPool:
         self._idle.clear()
 
 
+class Replica:
+    """One engine behind the guard: its upstream, its ranks' limit, its connections, its health."""
+
+    def __init__(self, upstream: Upstream, tracker: LimitTracker, limits: GuardLimits) -> None:
+        self.upstream = upstream
+        self.tracker = tracker
+        self.name = upstream.url
+        self.pool = _UpstreamPool(upstream, limits)
+        self.context = ContextLength()  # the engine's max-model-len, read when a prompt is over the limit
+        self.healthy = True  # its /health answered 200 last time (polled only with two or more replicas)
+        self.health_error: str | None = None
+
+
 class _Client:
     __slots__ = ("channel", "task", "waiting_since")
 
@@ -171,16 +188,22 @@ _Refusal = Refusal  # status, OpenAI error body, Retry-After and x-should-retry 
 
 class GuardProxy:
     def __init__(self, upstream: Upstream, tracker: LimitTracker, metrics: GuardMetrics, *,
-                 when_blind: str = "admit", limits: GuardLimits | None = None) -> None:
+                 when_blind: str = "admit", limits: GuardLimits | None = None,
+                 replicas: list[tuple[Upstream, LimitTracker]] | None = None) -> None:
+        """upstream, tracker: the one replica; or `replicas` (upstream, tracker) each, the first standing for
+        `upstream` and `tracker` then."""
         if when_blind not in WHEN_BLIND:
             raise ConfigError(f"--when-blind: expected one of {', '.join(WHEN_BLIND)}, got {when_blind!r}")
-        self.upstream = upstream
-        self.tracker = tracker
         self.metrics = metrics
         self.when_blind = when_blind
         self.limits = limits or GuardLimits()
-        self._pool = _UpstreamPool(upstream, self.limits)
-        self.context = ContextLength()  # the engine's max-model-len, read when a prompt is over the limit
+        self.replicas = [Replica(u, t, self.limits) for u, t in (replicas or [(upstream, tracker)])]
+        first = self.replicas[0]
+        self.upstream, self.tracker, self._pool, self.context = first.upstream, first.tracker, first.pool, first.context
+        self._turn = 0  # breaks ties between replicas with the same room, in turn
+        self.queue = GuardQueue(self.limits.queue_s, self.limits.max_queued, metrics, self._rooms)
+        for replica in self.replicas:
+            replica.tracker.subscribe(self.queue.kick)
         self._clients: set[_Client] = set()
         self._refusing: set[asyncio.Future[None]] = set()  # answering 503 to connections past the bound
         self._server: asyncio.base_events.Server | None = None
@@ -202,7 +225,8 @@ class GuardProxy:
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
-        self._pool.close()
+        for replica in self.replicas:
+            replica.pool.close()
 
     @property
     def open_connections(self) -> int:
@@ -304,17 +328,18 @@ class GuardProxy:
                 return await self._refuse_path(client, 405, f"{path} takes POST, not {method}")
             return await self._guarded(request, path, body, client, started)
         gets = PASS_THROUGH["GET"]
-        if path == "/health" and self.when_blind == "reject" and self.tracker.limit() is None:
+        if path == "/health" and self.when_blind == "reject" and all(r.tracker.limit() is None for r in self.replicas):
             # Refusing every completion while blind, the service is down for clients: say so where load
             # balancers and the harness look (and a guard that has not seen its first forecast is not ready).
             self.metrics.count(catalogue.GUARD_REJECTED, "blind")
-            message = f"memtel guard: blind (--when-blind reject): {self.tracker.why_blind()}"
+            message = f"memtel guard: blind (--when-blind reject): {self._why_blind()}"
             return await self._answer(client, 503, error_body(GUARD_BLIND, message, 503),
                                       (("Retry-After", str(RETRY_AFTER_S["blind"])),))
         if (method in ("GET", "HEAD") and (path in gets or path.startswith(MODEL_PATH_PREFIX))) or \
                 (method == "POST" and path in PASS_THROUGH["POST"]):
             self.metrics.count(catalogue.GUARD_PASSED_THROUGH)
-            return await self._forward(request, body, client, started, None)
+            replica = next((r for r in self.replicas if r.healthy), self.replicas[0])
+            return await self._forward(replica, request, body, client, started, None)
         known = ", ".join([*GUARDED, *gets, *PASS_THROUGH["POST"]])
         return await self._refuse_path(client, 404, f"{method} {path[:100]} is not forwarded by the memtel guard "
                                                     f"(it forwards {known})")
@@ -334,8 +359,18 @@ class GuardProxy:
             await self._answer(client, 400, error_body(GUARD_BAD_REQUEST, _body_error(exc), 400))
             return
         try:
-            held, counted_by = await self._admit(request, size)
+            try:
+                replica, held, counted_by = await self._decide(request, size)
+                if self.queue.enabled and self.queue.blocked() and (limit := replica.tracker.published) is not None:
+                    replica.tracker.release(held)  # the queue's order rule: behind the head that waited its turn
+                    raise behind(held, counted_by, limit)
+            except _Refusal as refusal:
+                if not (self.queue.enabled and transient(refusal)):
+                    raise
+                replica, held, counted_by = await self._wait(request, size, refusal, client)
         except _Refusal as refusal:
+            if refusal.counted_as is not None:
+                self.metrics.count(catalogue.GUARD_REJECTED, refusal.counted_as)
             self.metrics.observe_added(time.perf_counter() - started)
             await self._answer(client, refusal.status, refusal.body, refusal.headers)
             return
@@ -346,19 +381,109 @@ class GuardProxy:
             nonlocal released
             if not released:
                 released = True
-                self.tracker.release(held)
+                replica.tracker.release(held)
 
         try:
-            await self._forward(request, raw, client, started, release)
+            await self._forward(replica, request, raw, client, started, release)
         finally:
             release()
 
-    async def _admit(self, request: Request, size: PromptSize) -> tuple[int, str]:
-        """(tokens held while the prefill runs, how they were counted); _Refusal to refuse (admission.py)."""
+    async def _wait(self, request: Request, size: PromptSize, refusal: _Refusal,
+                    client: ServerSide) -> tuple[Replica, int, str]:
+        """Queue a prompt refused as transient until it is admitted (queue.py); the last refusal at the deadline,
+        the first when the queue is full; ConnectionResetError when the client leaves (its connection closes)."""
+        waited = time.monotonic()
+        try:
+            return await self.queue.wait(refusal, needed(refusal, 0), client.channel.gone(),
+                                         lambda: self._decide(request, size))
+        except QueueFull:
+            refusal.body["error"]["queue"] = f"full: {self.queue.max_queued} requests wait (--max-queued)"
+            raise refusal from None
+        except ClientLeft:
+            raise ConnectionResetError("the client left while its request waited") from None
+        except _Refusal as last:
+            if transient(last):
+                seconds = time.monotonic() - waited
+                last.body["error"]["queued_s"] = round(seconds, 3)
+                last.body["error"]["message"] += f" (after waiting {seconds:.1f} s in the guard's queue)"
+            raise
+
+    async def _decide(self, request: Request, size: PromptSize) -> tuple[Replica, int, str]:
+        """(the replica, tokens held while the prefill runs, how they were counted); _Refusal to refuse."""
+        replica = self._choose()
         auth = [(k, v) for k, v in request.headers if k.lower() in ("authorization", "x-api-key")]
-        return await admit(size, self.tracker, self.context, tokenize=lambda: self._tokenize(request, size),
-                           fetch_models=lambda: self._exchange("GET", MODELS_PATH, auth, b""), blind=self._blind,
-                           rejected=lambda reason: self.metrics.count(catalogue.GUARD_REJECTED, reason))
+        reasons: list[str] = []
+        try:
+            held, counted_by = await admit(
+                size, replica.tracker, replica.context, tokenize=lambda: self._tokenize(replica, request, size),
+                fetch_models=lambda: self._exchange(replica, "GET", MODELS_PATH, auth, b""), blind=self._blind,
+                rejected=reasons.append)
+        except _Refusal as refusal:
+            refusal.counted_as = reasons[-1] if reasons else None
+            raise
+        return replica, held, counted_by
+
+    def _choose(self) -> Replica:
+        """The replica a completion goes to: of those in the pool (healthy, a fresh limit), the one with the most
+        room (ties in turn); none in the pool but some healthy: the first of those (blind: --when-blind decides);
+        none healthy: a transient refusal (it may wait)."""
+        if len(self.replicas) == 1:
+            return self.replicas[0]
+        healthy = [r for r in self.replicas if r.healthy]
+        if not healthy:
+            why = "; ".join(f"{r.name}: {r.health_error}" for r in self.replicas)
+            refusal = _Refusal(503, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"memtel guard: no replica is healthy "
+                                               f"now ({why})", 503, reason="no_replica", retryable=True),
+                               RETRY_AFTER_S["no_replica"], reason="no_replica")
+            refusal.counted_as = "no_replica"
+            raise refusal
+        sized = [(limit.tokens, r) for r in healthy if (limit := r.tracker.limit()) is not None]
+        if not sized:
+            return healthy[0]
+        most = max(tokens for tokens, _r in sized)
+        tied = [r for tokens, r in sized if tokens == most]
+        self._turn += 1
+        return tied[self._turn % len(tied)]
+
+    def _rooms(self) -> list[tuple[int, int]]:
+        """The tokens each replica in the pool can take now and with nothing in prefill (the queue's view). Blind
+        with --when-blind admit (no replica in the pool, one healthy): room for all, so the waiters are decided
+        (and admitted) as a newcomer would be."""
+        found = [(limit.tokens, limit.rank_tokens) for r in self.replicas
+                 if r.healthy and (limit := r.tracker.limit()) is not None]
+        if not found and self.when_blind == "admit" and any(r.healthy for r in self.replicas):
+            return [(BLIND_ROOM, BLIND_ROOM)]
+        return found
+
+    def _why_blind(self) -> str:
+        if len(self.replicas) == 1:
+            return self.tracker.why_blind()
+        return "; ".join(f"{r.name}: {r.tracker.why_blind()}" for r in self.replicas)
+
+    async def watch_health(self, poll_s: float, timeout_s: float) -> None:
+        """Poll every replica's /health every `poll_s`: one that fails leaves the pool, and comes back when it
+        answers 200 again (the queue is woken then)."""
+        targets = [HookTarget(f"{r.upstream.url}/health", r.upstream.host, r.upstream.port, "/health",
+                              r.upstream.tls) for r in self.replicas]
+
+        async def one(replica: Replica, target: HookTarget) -> None:
+            try:
+                await fetch_metrics(target, timeout_s)
+            except (OSError, asyncio.TimeoutError, UpstreamError) as exc:
+                error: str | None = f"/health: {type(exc).__name__}: {exc}"[:200]
+            else:
+                error = None
+            if (error is None) != replica.healthy:
+                log.warning("memtel guard: replica %s %s", replica.name,
+                            "is healthy again: back in the pool" if error is None else f"leaves the pool: {error}")
+            replica.healthy, replica.health_error = error is None, error
+            if error is None:
+                self.queue.kick()
+
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(one(r, t) for r, t in zip(self.replicas, targets, strict=True)))
+            await asyncio.sleep(max(0.0, poll_s - (time.monotonic() - started)))
 
     def _blind(self) -> tuple[int, str]:
         if self.when_blind == "admit":
@@ -367,12 +492,12 @@ class GuardProxy:
         self.metrics.count(catalogue.GUARD_BLIND_DECISIONS, "reject")
         self.metrics.count(catalogue.GUARD_REJECTED, "blind")
         message = ("the memtel guard is blind (no fresh forecast from any hook) and refuses requests until it sees "
-                   f"again (--when-blind reject): {self.tracker.why_blind()}")
-        raise _Refusal(503, error_body(GUARD_BLIND, message, 503, hooks=[h.target.url for h in
-                                                                                  self.tracker.hooks]),
+                   f"again (--when-blind reject): {self._why_blind()}")
+        raise _Refusal(503, error_body(GUARD_BLIND, message, 503, hooks=[h.target.url for r in self.replicas
+                                                                         for h in r.tracker.hooks]),
                        RETRY_AFTER_S["blind"])
 
-    async def _tokenize(self, request: Request, size: PromptSize) -> int:
+    async def _tokenize(self, replica: Replica, request: Request, size: PromptSize) -> int:
         """The upstream's exact count; an answer other than a count is relayed to the client as a _Refusal."""
         assert size.tokenize_body is not None
         body = json.dumps(size.tokenize_body, ensure_ascii=False).encode()
@@ -380,7 +505,7 @@ class GuardProxy:
         headers.append(("Content-Type", _JSON))
         self.metrics.count(catalogue.GUARD_TOKENIZE_CALLS)
         try:
-            status, answer = await self._exchange("POST", "/tokenize", headers, body)
+            status, answer = await self._exchange(replica, "POST", "/tokenize", headers, body)
         except (OSError, asyncio.TimeoutError, UpstreamError, HttpError) as exc:
             self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "tokenize")
             raise _Refusal(502, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"memtel guard: the upstream could not "
@@ -400,22 +525,22 @@ class GuardProxy:
             raise _Refusal(status if status != 200 else 502, relayed, None)
         return int(count) + size.counted_tokens
 
-    async def _exchange(self, method: str, path: str, headers: list[tuple[str, str]],
+    async def _exchange(self, replica: Replica, method: str, path: str, headers: list[tuple[str, str]],
                         body: bytes) -> tuple[int, bytes]:
         """One request to the upstream, its whole answer read (for /tokenize: a few MB at most)."""
-        headers = [("Host", self.upstream.host_header), *headers]
-        side, reused = await self._pool.get()
+        headers = [("Host", replica.upstream.host_header), *headers]
+        side, reused = await replica.pool.get()
         try:
-            side, response = await self._send(side, reused, method, path, headers, body)
+            side, response = await self._send(replica, side, reused, method, path, headers, body)
             answer = await side.read_all(self.limits.max_body_bytes)
         except BaseException:
             side.channel.close()
             raise
-        self._pool.put(side)
+        replica.pool.put(side)
         return response.status, answer
 
-    async def _send(self, side: ClientSide, reused: bool, method: str, target: str, headers: list[tuple[str, str]],
-                    body: bytes) -> tuple[ClientSide, Response]:
+    async def _send(self, replica: Replica, side: ClientSide, reused: bool, method: str, target: str,
+                    headers: list[tuple[str, str]], body: bytes) -> tuple[ClientSide, Response]:
         """Send the request and read the answer's head; on a kept-alive connection the upstream had closed,
         once more on a fresh one. (the connection used, the response head)"""
         try:
@@ -425,7 +550,7 @@ class GuardProxy:
             side.channel.close()
             if not reused:
                 raise
-        side = await self._pool.connect()
+        side = await replica.pool.connect()
         try:
             await side.send_request(method, target, headers, body, self.limits.send_timeout_s)
             return side, await side.response()
@@ -433,28 +558,29 @@ class GuardProxy:
             side.channel.close()
             raise
 
-    async def _forward(self, request: Request, body: bytes, client: ServerSide, started: float,
+    async def _forward(self, replica: Replica, request: Request, body: bytes, client: ServerSide, started: float,
                        first_byte: Callable[[], None] | None) -> None:
         """Send the request upstream re-framed, relay the answer; the upstream connection is pooled again
         only when the whole answer was read and reached the client."""
-        headers = [("Host", self.upstream.host_header), *end_to_end(request.headers)]
+        headers = [("Host", replica.upstream.host_header), *end_to_end(request.headers)]
+        self.metrics.count(catalogue.GUARD_REPLICA_FORWARDED, replica.name)
         try:
-            side, reused = await self._pool.get()
+            side, reused = await replica.pool.get()
         except (OSError, asyncio.TimeoutError) as exc:
             self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "connect")
             reason = getattr(exc, "strerror", None) or type(exc).__name__
             await self._answer(client, 502, error_body(GUARD_UPSTREAM_UNAVAILABLE,
-                                                       f"memtel guard: cannot reach the upstream {self.upstream.url}: "
+                                                       f"memtel guard: cannot reach the upstream {replica.name}: "
                                                        f"{reason}", 502))
             return
         self.metrics.observe_added(time.perf_counter() - started)
         try:
-            side, response = await self._send(side, reused, request.method, request.target, headers, body)
+            side, response = await self._send(replica, side, reused, request.method, request.target, headers, body)
         except (OSError, asyncio.TimeoutError, UpstreamError, HttpError) as exc:
             side.channel.close()
             self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "request")
             await self._answer(client, 502, error_body(GUARD_UPSTREAM_UNAVAILABLE,
-                                                       f"memtel guard: the upstream {self.upstream.url} did not "
+                                                       f"memtel guard: the upstream {replica.name} did not "
                                                        f"answer: {type(exc).__name__}: {exc}", 502), close=True)
             return
         send_s = self.limits.send_timeout_s
@@ -475,7 +601,7 @@ class GuardProxy:
             pass  # the client went away (or took nothing for send_timeout_s): closing upstream aborts the request
         finally:
             if whole:
-                self._pool.put(side)
+                replica.pool.put(side)
             else:
                 side.channel.close()  # a streaming engine aborts the request when its connection closes
 
@@ -503,4 +629,4 @@ def _body_error(exc: BaseException) -> str:
     return f"malformed JSON in the request body: {what}; expected a JSON object"  # int()'s advice is not the client's
 
 
-__all__ = ["GUARDED", "PASS_THROUGH", "WHEN_BLIND", "GuardLimits", "GuardProxy", "Upstream", "error_body"]
+__all__ = ["GUARDED", "PASS_THROUGH", "WHEN_BLIND", "GuardLimits", "GuardProxy", "Replica", "Upstream", "error_body"]

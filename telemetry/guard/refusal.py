@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 INVALID_REQUEST = "invalid_request_error"  # OpenAI's `type` for a request no retry can make succeed
-RETRY_AFTER_S = {"would_not_fit": 10, "in_prefill": 1, "blind": 5}
+RETRY_AFTER_S = {"would_not_fit": 10, "in_prefill": 1, "blind": 5, "no_replica": 5}
 SHOULD_RETRY = "x-should-retry"
 MODELS_PATH = "/v1/models"
 MODELS_REFRESH_S = 60.0  # an engine restarted with another --max-model-len is seen within a minute
@@ -68,6 +68,7 @@ class Refusal(Exception):
         self.retry_after = retry_after
         self.should_retry = True if retry_after is not None and should_retry is None else should_retry
         self.reason = reason
+        self.counted_as: str | None = None  # the memtel_guard_rejected reason it is counted under when answered
 
     @property
     def headers(self) -> tuple[tuple[str, str], ...]:
@@ -180,6 +181,21 @@ def refusal_for(tokens: int, counted_by: str, limit: Limit, max_model_len: int |
     return Refusal(503, body, RETRY_AFTER_S[reason], reason=reason)
 
 
+def behind(tokens: int, counted_by: str, limit: Limit) -> Refusal:
+    """The transient answer of a prompt that fits now but queued behind an earlier one that has waited its turn
+    (the queue's order rule, docs/guard.md); sent only if it is still waiting at --queue-s."""
+    fit = limit.fit
+    message = (f"memtel guard: the prompt has {tokens:,} tokens (counted by {counted_by}) and fits rank {fit.rank} on "
+               f"node {fit.node} now ({limit.tokens:,} tokens), but waits behind an earlier request that does not fit "
+               "yet and has waited its turn; retry later")
+    body = error_body(GUARD_WOULD_NOT_FIT, message, 503, reason="in_prefill", retryable=True, prompt_tokens=tokens,
+                      prompt_tokens_counted_by=counted_by, limit_tokens=limit.tokens, node=fit.node, rank=fit.rank,
+                      hook=limit.hook)
+    refusal = Refusal(503, body, RETRY_AFTER_S["in_prefill"], reason="in_prefill")
+    refusal.counted_as = "in_prefill"
+    return refusal
+
+
 def forecast_words(tokens: int, limit: Limit) -> str:
     """The forecast against the budget in words that say which way round it is."""
     fit = limit.fit
@@ -224,5 +240,5 @@ def _int_or_none(value: float | None) -> int | None:
 
 
 __all__ = ["CONTEXT_LENGTH_EXCEEDED", "INVALID_REQUEST", "MODELS_PATH", "RETRY_AFTER_S", "SHOULD_RETRY",
-           "ContextLength", "Refusal", "error_body", "forecast_words", "parse_models", "refusal_for", "uncountable",
-           "undecided"]
+           "ContextLength", "Refusal", "behind", "error_body", "forecast_words", "parse_models", "refusal_for",
+           "uncountable", "undecided"]

@@ -8,7 +8,7 @@ Importing this package never imports torch.
 
 Modules: config (the one configuration), session (install, the process's start, the unresolved
 check), record (the hot path), state (the numbers), collector and exporter (Prometheus), line_format
-and log_writer (the call log), allocator (the allocator readers), guards (compile/capture
+and log_writer (the call log), allocator (the allocator readers), passthrough (compile/capture
 pass-through), rank, targets (parse, patch, import watcher) and presets; forecast/ (the live forecast:
 a thread that simulates the next prefill from the allocator's snapshot, docs/hook.md "Live forecast").
 """

@@ -20,13 +20,14 @@ from telemetry.errors import ConfigError
 from telemetry.hook.forecast.settings import DEFAULT_INTERVAL_S, check_interval, check_tokens
 from telemetry.hook.targets import parse_target, parse_targets
 from telemetry.procfs.meminfo import MEMINFO_PATH
+from telemetry.scrape.ports import HOOK_PORT
 
 if TYPE_CHECKING:
     from telemetry.hook.forecast.workload import ForecastWorkload
 
 log = logging.getLogger("memtel.hook")
 
-DEFAULT_PORT = 9200
+DEFAULT_PORT = HOOK_PORT  # MEMTEL_PORT's default (telemetry/scrape/ports.py)
 FORECAST = ("forecast_tokens", "the live forecast")  # a bad MEMTEL_FORECAST_* value turns off the forecast only
 DEFAULT_UNRESOLVED_AFTER_S = 300.0
 

@@ -2,10 +2,10 @@
 
 The allocator's counters say how much the process holds, not what for. The engine knows: its model's
 parameters are the weights, its KV cache is a list of tensors it allocated once. The hook reads those
-tensors (never parses logs) when the engine's signals return (telemetry/hook/presets.py, ENGINE_MEMORY and
-MODEL_LOADED): after the model loads (weights), after the KV cache is allocated, and after warm-up (CUDA
-graphs captured). Bytes are counted per storage, once, however many tensors view it (vLLM binds one KV
-tensor to several layers where they share it).
+tensors (never parses logs), as each engine's module says (telemetry/engines/), when the engine's signals return
+(telemetry/hook/presets.py, ENGINE_MEMORY and MODEL_LOADED): after the model loads (weights), after the KV cache
+is allocated, and after warm-up (CUDA graphs captured). Bytes are counted per storage, once, however many
+tensors view it (vLLM binds one KV tensor to several layers where they share it).
 
 `EngineCollector` exports them with what the process holds now, read at scrape time (the allocator's
 reserved and allocated bytes, the device's used bytes where the process has a CUDA context, the process's
@@ -33,6 +33,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from telemetry.catalogue import metrics
+from telemetry.engines import ENGINES
 from telemetry.hook import allocator
 from telemetry.hook.rank import resolve_rank
 from telemetry.hook.state import HookState
@@ -80,27 +81,14 @@ def storage_bytes(tensors: Iterable[Any]) -> tuple[int, str | None, set[tuple[st
     return total, device, seen
 
 
-def _flatten(value: Any, depth: int = 0) -> Iterator[Any]:
-    """Tensors in a tensor, list, tuple or dict of them (vLLM: list of tensors; some backends nest)."""
-    if depth > 4 or value is None:
-        return
-    if isinstance(value, dict):
-        for item in value.values():
-            yield from _flatten(item, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _flatten(item, depth + 1)
-    elif hasattr(value, "untyped_storage"):
-        yield value
-
-
 def model_of(worker: Any) -> Any:
-    """The engine's model: vLLM's `worker.get_model()`, else a `model` attribute (SGLang's ModelRunner)."""
-    get_model = getattr(worker, "get_model", None)
-    if callable(get_model):
-        return get_model()
-    runner = getattr(worker, "model_runner", None)
-    return getattr(worker, "model", None) or getattr(runner, "model", None)
+    """The engine's model: the first that a registered engine's reader finds (vLLM's `worker.get_model()`,
+    SGLang's `model` attribute; telemetry/engines/), else None."""
+    for engine in ENGINES:
+        found = engine.model(worker) if engine.model is not None else None
+        if found is not None:
+            return found
+    return None
 
 
 def weight_tensors(model: Any) -> list[Any]:
@@ -110,19 +98,12 @@ def weight_tensors(model: Any) -> list[Any]:
 
 
 def kv_cache_tensors(worker: Any) -> list[Any] | None:
-    """The KV cache's tensors: vLLM's `model_runner.kv_caches`; SGLang's `token_to_kv_pool` buffers.
-
-    None where this worker shows no KV cache memtel knows how to read.
-    """
-    runner = getattr(worker, "model_runner", worker)
-    caches = getattr(runner, "kv_caches", None)
-    if caches:
-        return list(_flatten(caches))
-    pool = getattr(runner, "token_to_kv_pool", None)
-    if pool is not None:
-        buffers = [getattr(pool, name, None) for name in ("k_buffer", "v_buffer", "kv_buffer")]
-        tensors = list(_flatten([b for b in buffers if b is not None]))
-        return tensors or None
+    """The KV cache's tensors, as the first registered engine that finds them reads them (vLLM's
+    `model_runner.kv_caches`; SGLang's `token_to_kv_pool` buffers). None where no engine finds a KV cache."""
+    for engine in ENGINES:
+        found = engine.kv_cache(worker) if engine.kv_cache is not None else None
+        if found is not None:
+            return found
     return None
 
 
@@ -146,29 +127,25 @@ def private_pool_bytes(segments: Iterable[dict[str, Any]], exclude: set[tuple[st
     return sum(size for pool, size in by_pool.items() if pool not in excluded)
 
 
-# Signals whose return begins the engine's start as memtel reads it: vLLM's worker has its memory budget
-# (`requested_memory`) once init_device returns, before the weights load. The vLLM plugin adds them to the
+# Signals whose return begins the engine's start as memtel reads it (Engine.start_begin: vLLM's worker has its
+# memory budget once init_device returns, before the weights load). The vLLM plugin adds them to the
 # engine-memory signals, and the hook's exporter starts then, so the start is announced from its beginning.
-START_BEGIN_SIGNALS = {"vllm": ("vllm.v1.worker.gpu_worker:Worker.init_device",
-                                "vllm.v1.worker.cpu_worker:CPUWorker.init_device")}
-# Signals whose return ends the engine's start (vLLM: graphs captured and warmed up; SGLang's ModelRunner.initialize
-# does the whole start); the other engine-memory signals (vLLM's initialize_from_config: the KV cache) are within it.
-STARTED_SIGNALS = ("compile_or_warm_up_model", "ModelRunner.initialize")
+START_BEGIN_SIGNALS: dict[str, tuple[str, ...]] = {engine.name: engine.start_begin for engine in ENGINES
+                                                   if engine.start_begin}
+_START_BEGIN_NAMES = tuple(target.partition(":")[2] for targets in START_BEGIN_SIGNALS.values() for target in targets)
+# Signals whose return ends the engine's start (Engine.started: vLLM's graphs captured and warmed up; SGLang's
+# ModelRunner.initialize does the whole start); the other engine-memory signals (vLLM's initialize_from_config:
+# the KV cache) are within it.
+STARTED_SIGNALS: tuple[str, ...] = tuple(name for engine in ENGINES for name in engine.started)
 
 
 def start_plan_bytes(worker: Any, held_bytes: int | None) -> int | None:
-    """What the engine will hold once started, as the engine budgets it: with an explicit KV cache size
-    (vLLM's kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE) what it holds now plus that; otherwise its requested
-    memory (vLLM: gpu_memory_utilization of the device, `Worker.requested_memory`; the CPU worker's
-    `requested_cpu_memory`). None where the worker shows no budget memtel knows how to read."""
-    cache_config = getattr(worker, "cache_config", None)
-    explicit = getattr(cache_config, "kv_cache_memory_bytes", None)
-    if isinstance(explicit, int) and explicit > 0:
-        return None if held_bytes is None else held_bytes + explicit
-    for name in ("requested_memory", "requested_cpu_memory"):
-        value = getattr(worker, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return int(value)
+    """What the engine will hold once started, as the engine budgets it (Engine.start_plan; vLLM's is the one
+    registered: telemetry/engines/vllm.py). None where no engine shows a budget memtel knows how to read."""
+    for engine in ENGINES:
+        plan = engine.start_plan(worker, held_bytes) if engine.start_plan is not None else None
+        if plan is not None:
+            return plan
     return None
 
 
@@ -212,7 +189,7 @@ class EngineTracker:
             allocator.current_reader().read()
         except Exception:
             pass
-        if signal.endswith("init_device"):  # START_BEGIN_SIGNALS: the budget is known, the weights not loaded
+        if signal.endswith(_START_BEGIN_NAMES):  # the budget is known, the weights not loaded
             try:
                 plan = start_plan_bytes(worker, None)
             except Exception:

@@ -1,7 +1,7 @@
 """The per-call JSONL log of one process: a bounded queue on the hot path, a writer thread for the I/O.
 
-The hot path formats its record into one line (line_format.SiteLine) and appends it to a deque: no
-lock, no I/O. The writer thread joins the waiting lines and writes them when `flush_records` wait,
+The hot path formats its record into one line (line_format.SiteLine, written out in `push`) and appends
+it to a deque: no lock, no I/O. The writer thread joins the waiting lines and writes them when `flush_records` wait,
 every `flush_interval_s`, and at exit. A full queue drops the record and counts it, so a stalled disk
 never blocks the serving thread.
 
@@ -42,7 +42,7 @@ from typing import Any
 
 from telemetry.allocator_counters import AllocatorCounters
 from telemetry.hook.call_log import log_file_name, segment_file_name  # file names, beside the log's reader
-from telemetry.hook.line_format import SiteLine
+from telemetry.hook.line_format import NS_PER_S, SiteLine
 from telemetry.hook.state import QUEUE_FULL, WRITE_FAILED, HookState
 from telemetry.safefs import UnsafePathError, create_private, ensure_private_dir, fsync_dir, open_private, write_all
 
@@ -142,7 +142,18 @@ class CallLogWriter:
                 self._early.append((ts_ns, call, site, device, allocator, available, swap_free, shape))
                 return
             line = self._lines[site] = SiteLine(site, device, self._rank, self._pid, self.state.node)
-        queue.append(line.format(ts_ns, call, allocator, available, swap_free, shape))
+        if shape is None:   # line.format(...) written out: a Python call less per record
+            second = line.second
+            fraction = ts_ns - second[0]
+            if fraction >= NS_PER_S or fraction < 0:
+                second = line.new_second(ts_ns)
+                fraction = ts_ns - second[0]
+            tail = line.tail
+            if tail[0] is not allocator or tail[1] != available or tail[2] != swap_free:
+                tail = line.new_tail(allocator, available, swap_free)
+            queue.append(f'{second[1]}{str(fraction + NS_PER_S)[1:]},"call":{call}{tail[3]}}}\n')
+        else:
+            queue.append(line.format(ts_ns, call, allocator, available, swap_free, shape))
         if len(queue) >= self._flush_records and not self._wake.is_set():
             self._wake.set()
 

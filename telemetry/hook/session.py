@@ -27,7 +27,7 @@ from typing import Any
 from prometheus_client.registry import CollectorRegistry
 
 from telemetry.errors import ConfigError
-from telemetry.hook import allocator, guards, presets
+from telemetry.hook import allocator, passthrough, presets
 from telemetry.hook.collector import HookCollector
 from telemetry.hook.config import HookConfig
 from telemetry.hook.engine import EngineCollector, EngineTracker
@@ -36,7 +36,7 @@ from telemetry.hook.forecast.collector import ForecastCollector
 from telemetry.hook.forecast.runner import Forecaster
 from telemetry.hook.log_writer import CallLogWriter
 from telemetry.hook.rank import RankInfo, resolve_rank
-from telemetry.hook.record import Recorder, make_wrapper
+from telemetry.hook.record import Recorder
 from telemetry.hook.state import INSTALLED, NOT_IN_MODEL, PENDING, HookState
 from telemetry.hook.targets import (
     WRAPPED_ATTR,
@@ -194,7 +194,7 @@ class HookSession:
             if registry is not None:
                 registry.register(self.forecast_collector)
         self.exporter: ExporterHandle | None = None
-        self.wrap = make_wrapper(self.recorder.record)
+        self.wrap = self.recorder.wrap
         self.signal_wrap = _make_signal_wrapper(self._model_loaded)
         self.engine_wrap = _make_signal_wrapper(self._engine_memory)
         self.watcher = ImportWatcher(self._module_loaded, self._module_missing)
@@ -530,7 +530,7 @@ class HookSession:
         allocator.current_reader().reset()
         if self.forecaster is not None:
             self.forecaster.reset_after_fork()
-        guards.reset()   # (the meminfo descriptor is dropped by procfile's own at-fork handler)
+        passthrough.reset()   # (the meminfo descriptor is dropped by procfile's own at-fork handler)
         if self.exporter is not None:
             self.exporter.close_after_fork()
             self.exporter = None

@@ -1,6 +1,6 @@
 """The hook's state in one process: what the hot path and the session update, what the collector reads.
 
-One `HookState` per process, guarded by its `lock`. The hot path (record.Recorder.record) updates a
+One `HookState` per process, guarded by its `lock`. The hot path (the wrapper of record.Recorder.wrap) updates a
 site's `SiteStats` in place; the session sets the targets' status, the rank and whether the unresolved
 check has run; the log writer counts dropped records. The collector (collector.py) reads a
 `snapshot()` on every scrape. A forked child starts again from `reset_after_fork()`.

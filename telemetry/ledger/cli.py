@@ -15,8 +15,10 @@ from telemetry.errors import ConfigError
 from telemetry.ledger import scrape
 from telemetry.ledger.render import SORTS, render
 from telemetry.ledger.scrape import DEFAULT_DAEMON, LedgerReport, take_report
+from telemetry.scrape import hook_ports
 
 SECONDS = bounded_float(0, 60, above_minimum=True)   # --timeout, top's --interval
+HOOK_PORTS = f"{hook_ports()[0]}-{hook_ports()[-1]}"   # the hooks' default ports on a node, as the help says it
 
 
 def url_list(text: str) -> list[str]:
@@ -41,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--daemon", type=url_list, default=[DEFAULT_DAEMON], metavar="URL[,URL...]",
                         help=f"the nodes' memtel daemons (default {DEFAULT_DAEMON})")
     parser.add_argument("--hooks", type=url_list, default=None, metavar="URL[,URL...]",
-                        help="the ranks' hook exporters (default: ports 9200-9207 on each daemon's host, those "
+                        help=f"the ranks' hook exporters (default: ports {HOOK_PORTS} on each daemon's host, those "
                              "that answer)")
     parser.add_argument("--sort", choices=sorted(SORTS), default="rank", help="order of the process rows")
     parser.add_argument("--timeout", type=SECONDS, default=2.0,

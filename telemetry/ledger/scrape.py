@@ -4,8 +4,9 @@ A URL that does not answer is reported as unreachable with the reason, never as 
 the node whose daemon has the same host in its URL (the usual deployment: both on the node's address); a hook
 with no such daemon is shown under its own `node` label. A node is called by the `node` label its hooks export
 (the name the hook and the guard use), a loopback daemon without hooks by this host's name (the hook's default),
-else by its URL's host. Every endpoint is read as hostile (telemetry/ledger/fetch.py): one deadline for all of
-them, bodies bounded and whole, a value no count can have (NaN, infinite, 2**63 or more) unknown.
+else by its URL's host. Every endpoint is read as hostile (telemetry/scrape/fetch.py): one deadline for all of
+them, bodies bounded and whole, a value no count can have (NaN, infinite, 2**63 or more) unknown. URLs, default
+ports and series names come from telemetry/scrape and the catalogue, never typed here.
 """
 
 from __future__ import annotations
@@ -18,83 +19,58 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from telemetry.errors import ConfigError, printable, shown
-from telemetry.ledger.fetch import FetchError, get
+from telemetry.catalogue import FAMILIES, Family
+from telemetry.catalogue import metrics as catalogue
 from telemetry.ledger.lines import NodeLedger, ProcessLedger
+from telemetry.scrape import (
+    DAEMON_PORT,
+    METRICS_PATH,
+    Endpoint,
+    Exposition,
+    FetchError,
+    Sample,
+    hook_ports,
+    parse_url,
+    parse_url_list,
+    read_metrics,
+)
 
 MAX_BODY_BYTES = 8 << 20     # a daemon's body is ~30 kB; a hook's with many sites a few hundred kB
 DEFAULT_TIMEOUT_S = 2.0
-DEFAULT_DAEMON = "http://127.0.0.1:9101/metrics"
-DEFAULT_HOOK_PORTS = range(9200, 9208)   # MEMTEL_PORT's default + local ranks 0..7
-
-
-@dataclass(frozen=True)
-class Sample:
-    name: str
-    labels: dict[str, str]
-    value: float
+DEFAULT_DAEMON = Endpoint("http", "127.0.0.1", DAEMON_PORT, METRICS_PATH).url
+# What a hook's engine exports of its process (weights, KV cache, ...): its labels rank, node, pid name the process.
+ENGINE_FAMILIES = tuple(entry for entry in FAMILIES.values() if entry.source == "engine")
 
 
 @dataclass(frozen=True)
 class Scrape:
     url: str
-    samples: tuple[Sample, ...] = ()
+    metrics: Exposition = field(default_factory=Exposition)
     error: str | None = None    # why it could not be read (None: it answered)
 
-    def values(self, name: str, **match: str) -> list[Sample]:
-        return [s for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in match.items())]
+    @property
+    def samples(self) -> tuple[Sample, ...]:
+        return self.metrics.samples
 
-    def first(self, name: str, **match: str) -> float | None:
-        found = self.values(name, **match)
-        return found[0].value if found else None
+    def values(self, entry: Family, **match: str) -> list[Sample]:
+        return self.metrics.of(entry, **match)
 
-    def total(self, name: str) -> float | None:
-        found = self.values(name)
-        return sum(s.value for s in found) if found else None
+    def first(self, entry: Family, **match: str) -> float | None:
+        return self.metrics.first(entry, **match)
+
+    def total(self, entry: Family) -> float | None:
+        return self.metrics.total(entry)
 
 
 def metrics_url(text: str) -> str:
-    """`host:port`, `http://host:port` or a full URL -> the /metrics URL; ConfigError for anything else."""
-    value = text.strip()
-    if not value:
-        raise ConfigError("an empty URL: expected http://HOST:PORT[/metrics] or HOST:PORT")
-    if "://" not in value:
-        value = "http://" + value
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{shown(text)} is not a metrics URL: expected http://HOST:PORT[/metrics] or HOST:PORT")
-    try:
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        raise ConfigError(f"{shown(text)} has no valid port: expected a number from 1 to 65535") from None
-    path = parts.path if parts.path not in ("", "/") else "/metrics"
-    return f"{parts.scheme}://{parts.netloc}{path}"
+    """`host:port`, `http://host:port` or a full URL -> the /metrics URL (telemetry/scrape/url.py); ConfigError
+    for anything else."""
+    return parse_url(text, "").url
 
 
 def url_list(text: str) -> list[str]:
-    urls = [metrics_url(part) for part in text.split(",") if part.strip()]
-    if not urls:
-        raise ConfigError(f"{shown(text)} names no URL: expected URL[,URL...]")
-    return urls
-
-
-def parse_metrics(body: bytes) -> tuple[Sample, ...]:
-    """The samples of a text-format /metrics body; FetchError (one line) for anything else."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise FetchError("body is not UTF-8 text: not a /metrics answer") from None
-    if text and not text.endswith("\n"):   # the format ends every line, the last one too: this one was cut
-        raise FetchError("body cut short (its last line has no end): not a whole /metrics answer")
-    try:
-        return tuple(Sample(s.name, dict(s.labels), float(s.value))
-                     for family in text_string_to_metric_families(text) for s in family.samples)
-    except (ValueError, TypeError, IndexError, KeyError) as error:   # the parser's ways of saying "not metrics"
-        raise FetchError(f"not the metrics text format ({printable(' '.join(str(error).split()), 80)})") from None
+    return [endpoint.url for endpoint in parse_url_list(text, "")]
 
 
 def scrape(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, deadline: float | None = None) -> Scrape:
@@ -103,7 +79,7 @@ def scrape(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, deadline: float | 
     Scrape with the reason."""
     end = time.monotonic() + timeout_s if deadline is None else deadline
     try:
-        return Scrape(url, parse_metrics(get(url, end, MAX_BODY_BYTES)))
+        return Scrape(url, read_metrics(url, end, MAX_BODY_BYTES))
     except FetchError as error:
         return Scrape(url, error=str(error))
 
@@ -173,30 +149,30 @@ class LedgerReport:
                 "no_hook_on_default_ports": self.unreachable_default_hooks}
 
 
-KERNEL_ERRORS = {"nv_err_no_memory": "memtel_kernel_nv_err_no_memory_events_total",
-                 "xid": "memtel_kernel_xid_events_total", "oom_kill": "memtel_kernel_oom_kill_events_total"}
+KERNEL_ERRORS = {"nv_err_no_memory": catalogue.KERNEL_NV_ERR_NO_MEMORY[1], "xid": catalogue.KERNEL_XID[1],
+                 "oom_kill": catalogue.KERNEL_OOM_KILLS[1]}   # each kind's events (bursts of lines)
 
 
 def node_view(name: str, scrape_: Scrape) -> NodeView:
     view = NodeView(name, scrape_.url, error=scrape_.error)
     if scrape_.error is not None:
         return view
-    shares = [_int(s.value) for s in scrape_.values("memtel_gpu_process_memory_used_bytes")]
+    shares = [_int(s.value) for s in scrape_.values(catalogue.GPU_PROCESS_MEMORY_USED)]
     gpu_processes = [v for v in shares if v is not None]
-    unified_values = scrape_.values("memtel_gpu_unified_memory")
+    unified_values = scrape_.values(catalogue.GPU_UNIFIED_MEMORY)
     unified = None if not unified_values else any(s.value == 1 for s in unified_values)
     view.ledger = NodeLedger.from_values(
-        mem_total=_int(scrape_.first("memtel_node_mem_total_bytes")),
-        mem_free=_int(scrape_.first("memtel_node_mem_free_bytes")),
-        active_file=_int(scrape_.first("memtel_node_mem_active_file_bytes")),
-        inactive_file=_int(scrape_.first("memtel_node_mem_inactive_file_bytes")),
-        unaccounted=_int(scrape_.first("memtel_node_mem_unaccounted_bytes")),
+        mem_total=_int(scrape_.first(catalogue.MEM_TOTAL)),
+        mem_free=_int(scrape_.first(catalogue.MEM_FREE)),
+        active_file=_int(scrape_.first(catalogue.MEM_ACTIVE_FILE)),
+        inactive_file=_int(scrape_.first(catalogue.MEM_INACTIVE_FILE)),
+        unaccounted=_int(scrape_.first(catalogue.MEM_UNACCOUNTED)),
         gpu_process_bytes=gpu_processes, unified=unified)
-    view.headroom = _int(scrape_.first("memtel_node_unified_headroom_bytes"))
-    view.contiguous_free = _int(scrape_.first("memtel_node_mem_free_contiguous_bytes"))
-    view.mem_available = _int(scrape_.first("memtel_node_mem_available_bytes"))
-    for short, name_ in KERNEL_ERRORS.items():
-        value = _int(scrape_.total(name_))
+    view.headroom = _int(scrape_.first(catalogue.UNIFIED_HEADROOM))
+    view.contiguous_free = _int(scrape_.first(catalogue.MEM_FREE_CONTIGUOUS))
+    view.mem_available = _int(scrape_.first(catalogue.MEM_AVAILABLE))
+    for short, entry in KERNEL_ERRORS.items():
+        value = _int(scrape_.total(entry))
         if value is not None:
             view.kernel_errors[short] = value
     return view
@@ -205,43 +181,46 @@ def node_view(name: str, scrape_: Scrape) -> NodeView:
 def hook_view(scrape_: Scrape, daemon: Scrape | None) -> HookView:
     if scrape_.error is not None:
         return HookView(scrape_.url, None, None, None, None, None, error=scrape_.error)
-    engine = {s.name: s for s in scrape_.samples if s.name.startswith("memtel_engine_")}
+    engine = {entry: found[0] for entry in ENGINE_FAMILIES if (found := scrape_.values(entry))}
     any_sample = next(iter(engine.values()), None)
     labels = any_sample.labels if any_sample is not None else {}
-    rank = labels.get("rank") or next((s.labels.get("rank", "") for s in scrape_.samples if "rank" in s.labels), "")
-    node_label = labels.get("node") or next((s.labels["node"] for s in scrape_.samples if "node" in s.labels), None)
+    rank = labels.get("rank") or scrape_.metrics.labelled("rank") or ""
+    node_label = labels.get("node") or scrape_.metrics.labelled("node")
     pid = labels.get("pid", "")
 
-    def value(name: str) -> int | None:
-        sample = engine.get(name)
+    def value(entry: Family) -> int | None:
+        sample = engine.get(entry)
         return None if sample is None else _int(sample.value)
 
     nvml = None
     if daemon is not None and daemon.error is None and pid:
-        found = daemon.values("memtel_gpu_process_memory_used_bytes", pid=pid)
+        found = daemon.values(catalogue.GPU_PROCESS_MEMORY_USED, pid=pid)
         shares = [_int(s.value) for s in found]
         nvml = sum(v for v in shares if v is not None) if found and None not in shares else None
     process = None
     if engine:
         process = ProcessLedger.from_values(
-            rank=rank, pid=pid, weights=value("memtel_engine_weights_bytes"),
-            kv_cache=value("memtel_engine_kv_cache_bytes"),
-            cuda_graph_pool=value("memtel_engine_cuda_graph_pool_bytes"),
-            reserved=value("memtel_engine_allocator_reserved_bytes"),
-            allocated=value("memtel_engine_allocator_allocated_bytes"), nvml_process_bytes=nvml,
-            device_used_bytes=value("memtel_engine_device_used_bytes"), host_rss=value("memtel_engine_resident_bytes"))
+            rank=rank, pid=pid, weights=value(catalogue.ENGINE_WEIGHTS), kv_cache=value(catalogue.ENGINE_KV_CACHE),
+            cuda_graph_pool=value(catalogue.ENGINE_CUDA_GRAPH_POOL),
+            reserved=value(catalogue.ENGINE_ALLOCATOR_RESERVED),
+            allocated=value(catalogue.ENGINE_ALLOCATOR_ALLOCATED), nvml_process_bytes=nvml,
+            device_used_bytes=value(catalogue.ENGINE_DEVICE_USED), host_rss=value(catalogue.ENGINE_RESIDENT))
     elif rank:
         process = ProcessLedger.from_values(rank=rank, pid="", weights=None, kv_cache=None, cuda_graph_pool=None,
                                             reserved=None, allocated=None, nvml_process_bytes=None,
                                             device_used_bytes=None, host_rss=None)
-    max_fit = scrape_.first("memtel_forecast_max_prefill_tokens")
-    return HookView(scrape_.url, node_label, process, calls=_int(scrape_.total("memtel_hook_calls_total")),
-                    growth_events=_int(scrape_.total("memtel_hook_growth_events_total")),
+    max_fit = scrape_.first(catalogue.FORECAST_MAX_PREFILL_TOKENS)
+    return HookView(scrape_.url, node_label, process, calls=_int(scrape_.total(catalogue.HOOK_CALLS)),
+                    growth_events=_int(scrape_.total(catalogue.HOOK_GROWTH_EVENTS)),
                     max_prefill_tokens=_int(max_fit))
 
 
+def _host(url: str) -> str:
+    return parse_url(url).host
+
+
 def _loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
+    host = _host(url)
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -266,7 +245,7 @@ def _name_by_hooks(nodes: list[NodeView], daemon_urls: Sequence[str]) -> None:
 
 
 def default_hook_urls(hosts: Iterable[str]) -> list[str]:
-    return [f"http://{host}:{port}/metrics" for host in hosts for port in DEFAULT_HOOK_PORTS]
+    return [Endpoint("http", host, port, METRICS_PATH).url for host in hosts for port in hook_ports()]
 
 
 def take_report(daemon_urls: Sequence[str], hook_urls: Sequence[str] | None, *,
@@ -274,7 +253,7 @@ def take_report(daemon_urls: Sequence[str], hook_urls: Sequence[str] | None, *,
     """Scrape everything at once and build the report. `hook_urls` None: the default hook ports on each
     daemon's host, where only those that answer are shown."""
     default_hooks = hook_urls is None
-    hosts = [urlsplit(u).netloc.rsplit(":", 1)[0] for u in daemon_urls]
+    hosts = [_host(u) for u in daemon_urls]
     hooks = default_hook_urls(dict.fromkeys(hosts)) if hook_urls is None else list(hook_urls)
     scrapes = scrape_all([*daemon_urls, *hooks], timeout_s)
     daemons, hook_scrapes = scrapes[:len(daemon_urls)], scrapes[len(daemon_urls):]
@@ -283,13 +262,13 @@ def take_report(daemon_urls: Sequence[str], hook_urls: Sequence[str] | None, *,
     nodes: list[NodeView] = []
     by_host: dict[str, tuple[NodeView, Scrape]] = {}
     for url, daemon in zip(daemon_urls, daemons, strict=True):
-        host = urlsplit(url).netloc.rsplit(":", 1)[0]
+        host = _host(url)
         node = node_view(host, daemon)
         nodes.append(node)
         by_host.setdefault(host, (node, daemon))
     orphans: dict[str, NodeView] = {}
     for hook in hook_scrapes:
-        host = urlsplit(hook.url).netloc.rsplit(":", 1)[0]
+        host = _host(hook.url)
         placed = by_host.get(host)
         view = hook_view(hook, placed[1] if placed else None)
         if placed is not None:

@@ -3,7 +3,7 @@
  * The hook reads these two fields after every hooked call. In Python the read costs one
  * os.pread, and finding and converting the two numbers costs four bytes.find, two slices and
  * two int() calls on top: about a third of the pread itself. Here it is the pread (the GIL is
- * released around it, as os.pread does) and a scan of ~400 bytes.
+ * released around it, as os.pread does) and a scan of the first ~20 lines' starts.
  *
  * Same answers as telemetry.procfs.meminfo.parse_available_and_swap_free (the tests hold the two
  * together): bytes, or None for a field the file does not have; a value that is not a number
@@ -19,10 +19,27 @@
 
 #define READ_SIZE 16384 /* meminfo is ~1.5 kB; both fields are in its first ~500 bytes */
 
-/* The value of `label` in bytes; Py_None if the label is absent; NULL with ValueError if malformed. */
+/* The line that starts with `label`, or NULL. Line by line (memchr to each newline, then a compare of
+ * the line's start): the labels open lines, and the hook's two are in the first ~20 of them, where a
+ * memmem over the text cost about three times as many instructions. */
+static const char *line_starting(const char *text, size_t size, const char *label, size_t label_size) {
+    const char *p = text;
+    const char *end = text + size;
+    while ((size_t)(end - p) >= label_size) {
+        if (*p == *label && memcmp(p, label, label_size) == 0)
+            return p;
+        const char *newline = memchr(p, '\n', (size_t)(end - p));
+        if (newline == NULL)
+            return NULL;
+        p = newline + 1;
+    }
+    return NULL;
+}
+
+/* The value of `label` in bytes; Py_None if no line starts with the label; NULL with ValueError if malformed. */
 static PyObject *field_bytes(const char *text, size_t size, const char *label) {
     size_t label_size = strlen(label);
-    const char *at = memmem(text, size, label, label_size);
+    const char *at = line_starting(text, size, label, label_size);
     if (at == NULL)
         Py_RETURN_NONE;
     const char *end = text + size;

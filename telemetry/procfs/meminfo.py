@@ -51,9 +51,13 @@ def parse_available_and_swap_free(data: bytes) -> tuple[int | None, int | None]:
 
 
 def _kb_field(data: bytes, label: bytes) -> int | None:
-    start = data.find(label)
-    if start < 0:
-        return None
+    """The value of the line that starts with `label` (labels open lines, as the compiled path reads them)."""
+    if data.startswith(label):
+        start = 0
+    else:
+        start = data.find(b"\n" + label) + 1
+        if start == 0:
+            return None
     end = data.find(b"kB", start)
     if end < 0:
         raise ValueError(f"/proc/meminfo: {label.decode()} is not followed by a number of kB")

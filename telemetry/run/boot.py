@@ -64,8 +64,8 @@ def config_from_env(environ: Mapping[str, str]) -> HookConfig | None:
     from telemetry.hook.config import HookConfig
     from telemetry.hook.presets import ENGINE_MEMORY, MODEL_LOADED
 
-    signals = tuple(signal for engine in ("vllm", "sglang") for signal in MODEL_LOADED[engine])
-    engine_memory = tuple(signal for engine in ("vllm", "sglang") for signal in ENGINE_MEMORY[engine])
+    signals = tuple(signal for targets in MODEL_LOADED.values() for signal in targets)
+    engine_memory = tuple(signal for targets in ENGINE_MEMORY.values() for signal in targets)
     return HookConfig.from_env(environ, model_loaded=signals, engine_memory=engine_memory, unresolved_after_s=None,
                                unresolved_at_first_call=True)
 
@@ -165,12 +165,12 @@ class _NothingHookedWatch:
             timer.join(timeout=1.0)
 
     def check(self, when: str, engines_wait: bool = False) -> None:
+        from telemetry.engines import ENGINES
         from telemetry.hook import run_order as order
-        from telemetry.hook.presets import MODEL_LOADED
 
         if os.getpid() != self.pid or not self.handle.active or self.handle.state.started:
             return   # a forked child, an uninstalled hook, or this process records: its own check reports
-        if engines_wait and any(engine in sys.modules for engine in MODEL_LOADED):
+        if engines_wait and any(engine.package in sys.modules for engine in ENGINES if engine.package):
             return   # a serving engine: its workers report once their model has loaded
         if order.peek(self.directory) != 0:
             return   # some process of the run started its hook: it reports there (exporter and log)

@@ -39,7 +39,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", metavar="SPEC",
                         help='comma-separated "package.module:function", "package.module:Class.method" or presets '
                              "(vllm-sparse-indexer, sglang-sparse-indexer, ...); default: MEMTEL_TARGETS")
-    parser.add_argument("--port", metavar="P",
+    parser.add_argument("--port", metavar="PORT",
                         help='exporter base port (each process listens on P + its rank) or "off"; '
                              "default: MEMTEL_PORT, else 9200")
     parser.add_argument("--addr", metavar="A",

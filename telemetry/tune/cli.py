@@ -81,6 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--trace", type=Path, metavar="TRACE",
                         help="a recorded memory history (torch.cuda.memory._dump_snapshot() pickle): the state at "
                              "its end")
+    source.add_argument("--hook", metavar="URL",
+                        help="a live hook's exporter (HOST:PORT or http(s)://[USER:PASSWORD@]HOST:PORT): its rank's "
+                             "allocator state now, from /snapshot")
     parser.add_argument("--target-tokens", type=bounded_int(1, MAX_PREFILL_TOKENS), required=True, metavar="N",
                         help="the prefill length that matters: the peak and launches are shown at it")
     memory = parser.add_mutually_exclusive_group(required=True)
@@ -106,6 +109,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--total-memory-gb", type=bounded_float(0, MAX_CAPACITY_GIB, above_minimum=True),
                         default=None, help="the device's total memory in GiB (a memory fraction's base and the "
                                            "engine share's; default with --node-headroom: MemTotal)")
+    parser.add_argument("--cap", choices=("device", "fraction"), default=None,
+                        help="how the memory stops the allocator: device (the memory runs out; the default) or "
+                             "fraction (torch's set_per_process_memory_fraction of the total memory, which checks a "
+                             "new segment's size before mapping it; the default with --verify on cuda, which caps "
+                             "its probes so)")
     parser.add_argument("--gpu-memory-utilization", type=bounded_float(0, 1, above_minimum=True), default=None,
                         metavar="U", help="the engine's memory share today (vLLM's gpu_memory_utilization, SGLang's "
                                           "mem_fraction_static): with the total memory, tune suggests the share that "
@@ -113,7 +121,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     space = parser.add_argument_group("search space (comma-separated; 'none' = not set)")
     space.add_argument("--expandable-segments", type=_list("True/False", _bool, ()), default=None, metavar="B,...",
                        help="default True,False")
-    space.add_argument("--max-split-mb", type=_list("integers (MiB, above 20) or none", _int), default=None,
+    space.add_argument("--max-split-mb", type=_list("integers (MiB, at least 20) or none", _int), default=None,
                        metavar="N,...", help="max_split_size_mb values (default none,128,512)")
     space.add_argument("--roundup", type=_list("powers of two or none", _int), default=None, metavar="N,...",
                        help="roundup_power2_divisions values (default none,2,8)")
@@ -216,9 +224,10 @@ def format_result(result: Any, engine: Any, source: str, limit_text: str, utiliz
     out += [f"lines to paste ({engine.name}):", *(f"  {line}" for line in lines)]
     out += [f"left out: {note}" for note in result.left_out]
     out += [f"note: {note}" for note in state.notes]
-    out.append("not searched: max_non_split_rounding_mb, per_process_memory_fraction and the backend (kept as the "
-               "process has them), private pools, CUDA graphs, the model's own activations of a larger chunk, the KV "
-               "cache per token; the state is kept as the snapshot has it and the settings apply from then on")
+    out.append("not searched: values outside the space's lists, max_non_split_rounding_mb, "
+               "per_process_memory_fraction and the backend (kept as the process has them), private pools, CUDA "
+               "graphs, the model's own activations of a larger chunk, the KV cache per token; the state is kept as "
+               "the snapshot has it and the settings apply from then on")
     return "\n".join(out)
 
 
@@ -269,14 +278,10 @@ def write_plot(result: Any, path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telemetry.model.allocsim.cli import max_file_bytes, write_stdout
+    from telemetry.model.allocsim.cli import max_file_bytes
     from telemetry.model.allocsim.snapshot import load_allocator_state
-    from telemetry.model.indexer.prefill import LaunchPattern
     from telemetry.model.indexer.shape import shape_from_args
-    from telemetry.model.tune.search import DEFAULT_TOP, Problem, suggest_utilization, tune
-    from telemetry.model.tune.space import expand, process_setting
-    from telemetry.model.tune.verify import SnapshotSource, verify
-    from telemetry.tune.engines import ENGINES, apply_settings, engine_of_preset, paste_lines
+    from telemetry.tune.engines import ENGINES, engine_of_preset
 
     engine = engine_of_preset(args.preset) if args.preset else ENGINES[args.engine or "vllm"]
     if args.mode not in engine.modes:
@@ -287,15 +292,45 @@ def run(args: argparse.Namespace) -> int:
     space.check()
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise ConfigError(f"--plot {args.plot}: expected a .png file name")
-    path = args.snapshot or args.trace
     max_bytes = max_file_bytes(args)
-    state = load_allocator_state(path, device=args.device, max_bytes=max_bytes, max_objects=args.max_objects,
+    if args.hook is None:
+        path = args.snapshot or args.trace
+        state = load_allocator_state(path, device=args.device, max_bytes=max_bytes, max_objects=args.max_objects,
+                                     max_blocks=args.max_blocks)
+        return _run(args, engine, shape, space, path, str(path), state, max_bytes)
+    from telemetry.tune.hook_snapshot import fetch_snapshot
+
+    state, path = fetch_snapshot(args.hook, device=args.device, max_bytes=max_bytes, max_objects=args.max_objects,
                                  max_blocks=args.max_blocks)
+    try:
+        return _run(args, engine, shape, space, path, args.hook, state, max_bytes)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Path, where: str, state: Any,
+         max_bytes: int) -> int:
+    from telemetry.model.allocsim.cli import write_stdout
+    from telemetry.model.indexer.prefill import LaunchPattern
+    from telemetry.model.tune.search import DEFAULT_TOP, Problem, suggest_utilization, tune
+    from telemetry.model.tune.space import expand, process_setting
+    from telemetry.model.tune.verify import SnapshotSource, verify
+    from telemetry.tune.engines import apply_settings, paste_lines
+
     process_conf = args.alloc_conf if args.alloc_conf is not None else (state.alloc_conf or "")
     limit, release, limit_text, node_total = _limit(args, state)
     total = int(args.total_memory_gb * 1024**3) if args.total_memory_gb is not None else node_total
+    allocator = None
+    if args.verify:
+        from telemetry.model.indexer.backends import default_allocator
+
+        allocator = args.verify_allocator or default_allocator()
+    cap = args.cap or ("fraction" if allocator == "cuda" else "device")
+    if cap == "fraction" and total is None:
+        raise ConfigError("--cap fraction: give the device's total memory (--total-memory-gb): the fraction is of it")
+    limit_text += f"; cap: {cap}"
     problem = Problem(state, shape, limit, args.target_tokens, LaunchPattern(keep_previous=args.keep_previous),
-                      total_memory=total, release_cache_on_oom=release)
+                      total_memory=total, release_cache_on_oom=release, cap=cap)
     expanded = expand(space, shape, process_conf, engine_modes=engine.modes, engine_name=engine.name)
     mine = process_setting(shape, process_conf, args.mode)
     result = tune(problem, expanded, mine, top=args.top or DEFAULT_TOP)
@@ -304,11 +339,7 @@ def run(args: argparse.Namespace) -> int:
         utilization = suggest_utilization(result.best, problem, args.gpu_memory_utilization, total)
     lines = paste_lines(engine, result.best.setting, utilization)
     verified = []
-    allocator = None
-    if args.verify:
-        from telemetry.model.indexer.backends import default_allocator
-
-        allocator = args.verify_allocator or default_allocator()
+    if allocator is not None:
         source = SnapshotSource(str(path), args.device, max_bytes, args.max_objects, args.max_blocks)
         chosen = list(result.ranked[:args.verify])
         if result.process not in chosen:
@@ -317,19 +348,19 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         write_plot(result, args.plot)
     if args.json:
-        doc = {"snapshot": str(path), "device": state.device, "limit_bytes": limit, "limit": limit_text,
+        doc = {"snapshot": where, "device": state.device, "limit_bytes": limit, "limit": limit_text,
                "target_tokens": args.target_tokens, "shape": shape.as_dict(), "engine": engine.name,
                "settings": result.settings, "simulations": result.simulations, "cpu_seconds": result.cpu_seconds,
                "ranked": [{**o.as_json(), "apply": apply_settings(engine, o.setting, utilization if i == 0 else None)}
                           for i, o in enumerate(result.ranked)],
                "process": result.process.as_json(),
                "pruned": len(result.pruned), "left_out": list(result.left_out), "lines": lines,
-               "utilization": utilization, "notes": list(state.notes)}
+               "utilization": utilization, "notes": list(state.notes), "cap": cap}
         if allocator is not None:
             doc["verify"] = {"allocator": allocator, "settings": [v.as_json() for v in verified]}
         write_stdout(json.dumps(doc, indent=1))
     else:
-        text = format_result(result, engine, str(path), limit_text, utilization, lines)
+        text = format_result(result, engine, where, limit_text, utilization, lines)
         if allocator is not None:
             text += "\n" + format_verified(verified, allocator)
         write_stdout(text)

@@ -2,7 +2,7 @@
 
 vLLM 0.32: the logits budget is `VLLM_SPARSE_INDEXER_MAX_LOGITS_MB`, the chunk `--max-num-batched-tokens`, the
 memory share `--gpu-memory-utilization`; the fixed width is the patched build's switch
-(`VLLM_SPARSE_INDEXER_FIXED_LOGITS_WIDTH=1`; telemetry/hook/forecast/vllm_workload.py). SGLang 0.5.23: the chunk
+(`VLLM_SPARSE_INDEXER_FIXED_LOGITS_WIDTH=1`; telemetry/engines/vllm.py). SGLang 0.5.23: the chunk
 is `--chunked-prefill-size` and the share `--mem-fraction-static`; it sizes the logits budget itself
 (sglang/srt/layers/attention/mqa_logits_utils.py: `SGLANG_DSA_MQA_LOGITS_FREE_MEM_FRACTION` (default 0.2) of the
 free memory, at most 0.3 of the device), so the budget is not a MiB setting there and is not searched; it has no
@@ -15,8 +15,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from telemetry.engines.vllm import BUDGET_VARIABLE, FIXED_WIDTH_VARIABLE
 from telemetry.errors import ConfigError
-from telemetry.hook.forecast.vllm_workload import BUDGET_VARIABLE, FIXED_WIDTH_VARIABLE
 from telemetry.hook.presets import PRESETS
 from telemetry.model.indexer.planner import MODES
 from telemetry.model.indexer.shape import budget_mib_text

@@ -1,7 +1,7 @@
 """The simulator against real allocator statistics: every row of every op of every case, exactly.
 
 Truth files: tests/fixtures/allocator-truth/ (captured on an H200 with torch 2.11 by
-telemetry/model/allocsim/truth_capture.py and `memtel replay --record`) and the shared sample in
+telemetry/model/capture/truth.py and `memtel replay --record`) and the shared sample in
 ../shared/data/allocator-truth/ next to the clone. A file's cases are replayed in file order through
 one model of the driver's device addresses, as the capture ran them in one process. The
 `*.addresses.json` sidecars hold every malloc's real device pointer: they check the address model

@@ -1,6 +1,6 @@
 """Live on a CUDA GPU (marker `gpu`): a fresh capture agrees with the seeded simulator, `forecast` and `whatif`.
 
-The same checks as test_snapshot_truth.py, on captures made now by telemetry/model/allocsim/snapshot_capture.py
+The same checks as test_snapshot_truth.py, on captures made now by telemetry/model/capture/snapshots.py
 (one seeded process; the small what-if workload recorded, and run plain under two settings).
 """
 
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _worker(out: Path, config: str, *args: str) -> None:
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=config, PYTHONPATH=str(REPO))
     env.pop("PYTORCH_ALLOC_CONF", None)
-    done = subprocess.run([sys.executable, "-m", "telemetry.model.allocsim.snapshot_capture", "--out", str(out), *args],
+    done = subprocess.run([sys.executable, "-m", "telemetry.model.capture.snapshots", "--out", str(out), *args],
                           env=env, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -1,7 +1,7 @@
 """The seeded simulator, `forecast` and `whatif` against real allocator truth from live H200 processes.
 
 Fixtures: tests/fixtures/allocator-snapshots/<platform>/, one folder per capture made by
-telemetry/model/allocsim/snapshot_capture.py (h200-torch2.11: torch 2.11 on an H200; see its README); a new
+telemetry/model/capture/snapshots.py (h200-torch2.11: torch 2.11 on an H200; see its README); a new
 folder adds its cases to every test here. Seeded captures: a process built
 allocator state, saved its snapshot (JSON and pickle), then ran the next prefill with the counters
 after every op. What-if captures: one real-op workload recorded with `_record_memory_history` under
@@ -19,9 +19,9 @@ import pytest
 from telemetry.model.allocsim.ops import first_mismatch, replay_ops
 from telemetry.model.allocsim.simulator import DEFAULT_TOTAL_MEMORY
 from telemetry.model.allocsim.snapshot import load_allocator_state
-from telemetry.model.allocsim.snapshot_capture import RING_ENTRIES
 from telemetry.model.allocsim.trace import load_trace
 from telemetry.model.allocsim.whatif import whatif
+from telemetry.model.capture.snapshots import RING_ENTRIES
 from telemetry.model.indexer.forecast import forecast
 from telemetry.model.indexer.shape import IndexerShape
 from tests.support.cli import call_main

@@ -1,4 +1,5 @@
-"""truth_capture's generated cases: deterministic, well-formed, and the ones the fixtures hold."""
+"""The truth capture's generated cases (telemetry/model/capture/truth.py): deterministic, well-formed, and the ones
+the fixtures hold."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 from pathlib import Path
 
 from telemetry.model.allocsim.ops import replay_ops
-from telemetry.model.allocsim.truth_capture import CONFIGS, build_cases, config_slug
+from telemetry.model.capture.truth import CONFIGS, build_cases, config_slug
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "allocator-truth"
 

@@ -28,7 +28,7 @@ from telemetry.cli import main as memtel_main
 from telemetry.daemon.collectors import BY_NAME, NAMES, SPECS
 from telemetry.daemon.collectors.meminfo import MeminfoCollector
 from telemetry.daemon.collectors.nvml import NvmlCollector, NvmlReader
-from telemetry.daemon.config import ConfigError, check_collectors, from_mapping
+from telemetry.daemon.config import ConfigError, check_collectors, enabled_collectors, from_mapping
 from telemetry.daemon.registry import DaemonCollectors
 from telemetry.exporter import MetricsServer
 from tests.daemon.helpers import parse_metrics
@@ -73,7 +73,7 @@ def test_flags_and_config_accept_exactly_the_registered_names():
     assert check_collectors(list(NAMES), "collectors.disabled") == NAMES
     with pytest.raises(ConfigError, match="unknown collector 'gpu'"):
         from_mapping({"collectors": {"disabled": ["gpu"]}})
-    assert from_mapping({"collectors": {"disabled": ["nvml"]}}).enabled_collectors == tuple(
+    assert enabled_collectors(from_mapping({"collectors": {"disabled": ["nvml"]}})) == tuple(
         n for n in NAMES if n != "nvml")
 
 
@@ -214,7 +214,7 @@ def test_every_registered_collector_builds_from_the_default_config(tmp_path, mon
 
     monkeypatch.setattr(psutil, "PROCFS_PATH", psutil.PROCFS_PATH)  # the processes collector sets it from proc_root
     config = from_mapping({"state_dir": str(tmp_path), "proc_root": str(_proc(tmp_path))})
-    for name in config.enabled_collectors:
+    for name in enabled_collectors(config):
         built = BY_NAME[name].build(config)
         assert callable(getattr(built, "collect", None)), name
 

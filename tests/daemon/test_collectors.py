@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry
 from telemetry.daemon.collectors.meminfo import MeminfoCollector
 from telemetry.daemon.collectors.nvml import NvmlCollector, NvmlReader, NvmlSnapshot, nvml_families
 from telemetry.daemon.collectors.pressure import PressureCollector
-from telemetry.daemon.collectors.processes import DEFAULT_ROLES, ProcessCollector, RolePattern
+from telemetry.daemon.collectors.processes import ProcessCollector
 from telemetry.daemon.collectors.vmstat import VmstatCollector
 from telemetry.daemon.registry import DaemonCollectors
+from telemetry.daemon.settings import DEFAULT_ROLES, RolePattern
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 PROC = FIXTURES / "proc"

@@ -39,6 +39,7 @@ class StubUpstream:
         self.streamed_bytes = 0  # bytes of big streams written so far
         self.connections: list = []  # every connection accepted (to close kept-alive ones under the guard)
         self.extra_answer: bytes | None = None  # set by a test: sent after the next GET's answer (a desync)
+        self.healthy = True  # set by a test: /health answers 503 while False
         self.lock = threading.Lock()
         outer = self
 
@@ -67,7 +68,7 @@ class StubUpstream:
                 with outer.lock:
                     outer.seen.append(("GET", self.path, b""))
                 if self.path == "/health":
-                    self.send_response(200)
+                    self.send_response(200 if outer.healthy else 503)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                 elif self.path == "/v1/models":
@@ -227,20 +228,26 @@ class RunningGuard:
     """The guard's proxy and hook scraper on their own event loop, in a thread of the test process."""
 
     def __init__(self, upstream: str, hooks: list[str], *, when_blind: str = "admit", stale_s: float = 2.0,
-                 poll_s: float = 0.05, reserve_mb: float = 0.0, limits: GuardLimits | None = None) -> None:
-        self.tracker = LimitTracker([HookTarget.parse(h) for h in hooks], stale_s=stale_s,
-                                    reserve_bytes=reserve_mb * (1 << 20))
+                 poll_s: float = 0.05, reserve_mb: float = 0.0, limits: GuardLimits | None = None,
+                 replicas: list[tuple[str, list[str]]] | None = None) -> None:
+        """replicas: (upstream, hooks) of each of several engines, instead of `upstream` and `hooks`."""
+        engines = [(Upstream.parse(url), LimitTracker([HookTarget.parse(h) for h in urls], stale_s=stale_s,
+                                                      reserve_bytes=reserve_mb * (1 << 20)))
+                   for url, urls in (replicas or [(upstream, hooks)])]
         self.metrics = GuardMetrics()
-        self.registry = guard_registry(self.metrics, self.tracker)
-        self.proxy = GuardProxy(Upstream.parse(upstream), self.tracker, self.metrics, when_blind=when_blind,
-                                limits=limits)
+        self.proxy = GuardProxy(*engines[0], self.metrics, when_blind=when_blind, limits=limits, replicas=engines)
+        self.tracker = self.proxy.tracker
+        self.registry = guard_registry(self.metrics, self.tracker, self.proxy.replicas)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
         self.port = 0
 
         async def main() -> None:
             self.port = await self.proxy.start("127.0.0.1", 0)
-            self._scraper = asyncio.ensure_future(scrape_forever(self.tracker, poll_s, timeout_s=1.0))
+            self._tasks = [asyncio.ensure_future(scrape_forever(r.tracker, poll_s, timeout_s=1.0))
+                           for r in self.proxy.replicas]
+            if len(self.proxy.replicas) > 1:
+                self._tasks.append(asyncio.ensure_future(self.proxy.watch_health(poll_s, timeout_s=1.0)))
             started.set()
 
         def serve() -> None:
@@ -265,11 +272,9 @@ class RunningGuard:
 
     def stop(self) -> None:
         async def shutdown() -> None:
-            self._scraper.cancel()
-            try:
-                await self._scraper
-            except asyncio.CancelledError:
-                pass
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.proxy.stop()
 
         asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 import telemetry
 from telemetry.allocator_counters import AllocatorCounters
-from telemetry.hook import allocator, guards, set_allocator_source
+from telemetry.hook import allocator, passthrough, set_allocator_source
 
 NODE = socket.gethostname()
 
@@ -44,10 +44,10 @@ def stand_in_cuda(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda device: (0, 0, 0), raising=False)
     set_allocator_source(None)   # a fresh CUDA reader, bound at the first read
-    guards.reset()
+    passthrough.reset()
     yield torch
     set_allocator_source(None)
-    guards.reset()
+    passthrough.reset()
 
 
 def labels(site, **extra):

@@ -189,6 +189,28 @@ def test_a_site_line_reuses_its_parts_only_while_their_values_are_equal():
                                             rank=2, pid=5, node="n"))
 
 
+def test_the_writers_push_writes_the_lines_site_line_format_writes(tmp_path):
+    # push writes SiteLine.format out in place (the hot path): the same text for every case of its kept parts,
+    # the ts exact to the nanosecond (a second crossed, the clock stepped back, a value of 0 and of 999999999 ns).
+    a, b = AllocatorCounters(1 << 30, 5, 7, 1, 0, 0), AllocatorCounters(1 << 31, 6, 8, 1, 0, 0)
+    t = 1795000000_000000000
+    records = [(t + 999_999_999, 0, a, 100 << 10, 0), (t + 1_000_000_000, 1, a, 100 << 10, 0),
+               (t + 1_000_000_007, 2, b, 100 << 10, 0), (t + 5, 3, b, 96 << 10, 4096),   # stepped back
+               (t + 6, 4, AllocatorCounters(*a), 96 << 10, 4096), (t + 7, 5, None, None, 4096),
+               (3 * 1_000_000_000 + 17, 6, a, 1, 2), (t + 2_000_000_000, 7, a, 1, 2)]
+    writer, _ = open_writer(tmp_path)
+    assert writer.open(rank=2)
+    reference = SiteLine("m:f", "cuda:0", rank=2, pid=os.getpid(), node="node-1")
+    for ts_ns, call, counters, available, swap_free in records:
+        writer.push(ts_ns, call, "m:f", "cuda:0", counters, available, swap_free)
+    writer.close()
+    assert writer.path is not None
+    written = Path(writer.path).read_text().splitlines(keepends=True)
+    assert written == [reference.format(*record) for record in records]
+    assert [line[6:line.index(",")] for line in written] == [
+        f"{ts // 10**9}.{ts % 10**9:09d}" for ts, *_ in records]
+
+
 def open_writer(directory: Path, rank: int = 0, **limits) -> tuple[CallLogWriter, HookState]:
     state = HookState(node="node-1", targets={}, log_configured=True)
     writer = CallLogWriter(str(directory), state, **{"max_queue": 65536, "flush_records": 4096,

@@ -20,20 +20,24 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from telemetry.hook.forecast.runner import Forecaster
-from telemetry.hook.forecast.vllm_workload import (
+from telemetry.engines.registry import NoIndexer
+from telemetry.engines.vllm import (
     BUDGET_VARIABLE,
+    ENGINE,
     FIXED_WIDTH_VARIABLE,
     INDEXER_CLASSES,
     TP_ROW_SHARD_MIN_ROWS_PER_RANK,
-    NoIndexer,
-    read_vllm_workload,
 )
-from telemetry.hook.forecast.workload import VLLM
+from telemetry.hook.forecast.runner import Forecaster
+from telemetry.hook.forecast.workload import VLLM, engine_workload
 from telemetry.model.indexer.shape import MIB
 from tests.support.vllm_shared import INDEXER_CHUNK, INDEXER_MAX_MODEL_LEN
 
 INDEXER_MODULE, _, INDEXER_CLASS = INDEXER_CLASSES[0].partition(":")
+
+
+def read_vllm_workload(worker, environ):
+    return engine_workload(ENGINE, worker, environ)
 
 
 class SparseAttnIndexer:   # stands in for vLLM's class (same module and name in sys.modules)

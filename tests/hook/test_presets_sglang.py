@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from telemetry.engines.registry import HEALTH_PATH, MODELS_PATH
 from telemetry.hook.presets import LAYERS, MODEL_LOADED, PRESETS, PresetSite
 from telemetry.hook.rank import ENGINE_WORLDS
 from telemetry.hook.targets import parse_target
@@ -157,5 +158,17 @@ def test_the_pins_agree_sglang_requires_the_deep_gemm_checked_here():
     requires = [line.split(":", 1)[1].strip() for line in sglang.metadata("sglang").splitlines()
                 if line.startswith("Requires-Dist:")]
     assert f"sgl-deep-gemm=={sglang.DEEP_GEMM_VERSION}" in requires
-    assert f"sglang {sglang.SGLANG_VERSION}" in (ROOT / "telemetry/hook/presets.py").read_text()
+    assert f"sglang {sglang.SGLANG_VERSION}" in (ROOT / "telemetry/engines/sglang.py").read_text()
     assert f"sglang {sglang.SGLANG_VERSION}" in (ROOT / "docs/hook.md").read_text()
+
+
+def test_sglang_answers_what_the_ab_runner_asks_of_an_engine():
+    """HEALTH_PATH and MODELS_PATH (telemetry/engines/registry.py): SGLang's HTTP server routes both, and its model
+    cards carry max_model_len (harness/ab/lifecycle.py reads it)."""
+    server = sglang.source("sglang.srt.entrypoints.http_server")
+    assert f'@app.get("{HEALTH_PATH}")' in server and f'@app.get("{MODELS_PATH}"' in server
+    assert "max_model_len=" in server
+    protocol = sglang.tree("sglang.srt.entrypoints.openai.protocol")
+    card = next(n for n in ast.walk(protocol) if isinstance(n, ast.ClassDef) and n.name == "ModelCard")
+    assert "max_model_len" in {n.target.id for n in card.body if isinstance(n, ast.AnnAssign)
+                               and isinstance(n.target, ast.Name)}

@@ -251,19 +251,21 @@ def test_the_compiled_meminfo_reader_is_built_where_a_compiler_exists():
 def test_a_meminfo_read_error_is_counted_and_the_next_call_reopens(tmp_path):
     from telemetry.hook.record import Recorder
     from telemetry.hook.state import HookState
+    from telemetry.hook.targets import parse_target
 
     path = tmp_path / "meminfo"
     path.write_text("MemAvailable: 7 kB\nSwapFree: 9 kB\n")
     reader = MeminfoReader(str(path))
     state = HookState(node="n", targets={}, started=True)
     recorder = Recorder(state, None, reader, record_shape=False, on_first_record=lambda: None)
-    recorder.record("t", (), {})
+    call = recorder.wrap(lambda: None, parse_target("m:t"))
+    call()
     os.close(reader.fileno())   # the kept descriptor goes bad under the reader
-    recorder.record("t", (), {})
+    call()
     path.write_text("MemAvailable: 8 kB\nSwapFree: 9 kB\n")
-    recorder.record("t", (), {})
-    assert state.errors == {("t", "meminfo"): 1}
-    site = state.sites["t"]
+    call()
+    assert state.errors == {("m:t", "meminfo"): 1}
+    site = state.sites["m:t"]
     assert site.calls == 2 and site.mem_available_bytes == 8 << 10 and site.swap_free_bytes == 9 << 10
 
 

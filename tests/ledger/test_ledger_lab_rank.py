@@ -14,7 +14,8 @@ from telemetry.allocator_counters import AllocatorCounters
 from telemetry.hook import set_allocator_source
 from telemetry.hook.engine import EngineCollector, EngineTracker
 from telemetry.hook.state import HookState
-from telemetry.ledger.scrape import Scrape, hook_view, parse_metrics
+from telemetry.ledger.scrape import Scrape, hook_view
+from telemetry.scrape import parse_body
 
 
 def test_a_rank_on_the_labs_simulator_has_its_pid_and_reserved_bytes_in_the_ledger():
@@ -29,7 +30,7 @@ def test_a_rank_on_the_labs_simulator_has_its_pid_and_reserved_bytes_in_the_ledg
         body = generate_latest(registry)
     finally:
         set_allocator_source(None)
-    view = hook_view(Scrape("http://127.0.0.1:9200/metrics", parse_metrics(body)), None)
+    view = hook_view(Scrape("http://127.0.0.1:9200/metrics", parse_body(body)), None)
     process = view.process
     assert process is not None and view.node_label == "vm"
     assert (process.rank, process.pid) == ("0", str(os.getpid()))

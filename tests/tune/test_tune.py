@@ -53,7 +53,7 @@ def test_gc_threshold_is_searched_under_a_memory_fraction() -> None:
 
 
 @pytest.mark.parametrize(("space", "words"), [
-    (SearchSpace(max_split_size_mb=(20,)), "max_split_size_mb 20 (torch needs an integer above 20)"),
+    (SearchSpace(max_split_size_mb=(19,)), "max_split_size_mb 19 (torch needs an integer of at least 20)"),
     (SearchSpace(roundup_power2_divisions=(3,)), "roundup_power2_divisions 3 (torch needs a power of two)"),
     (SearchSpace(garbage_collection_threshold=(1.0,)), "garbage_collection_threshold 1.0"),
     (SearchSpace(chunks=()), "an empty chunk list"),

@@ -18,6 +18,8 @@ from harness.ab.report import markdown as md
 from harness.ab.report.comparisons import statistics_section
 from harness.ab.report.markdown import Section, Table
 from harness.ab.report.metrics import RankRequestMetrics, RequestMetrics, RunMetrics, Spread
+from telemetry.catalogue import vllm
+from telemetry.catalogue.fields import NODE_SNAPSHOT_SERIES
 
 MIB = 1024 * 1024
 
@@ -227,7 +229,7 @@ def mem_available_section(metrics: RunMetrics) -> Section:
         head.append(f"{pair[0]} − {pair[1]}: lowest during")
     table = Table(head, rows)
     notes = na_notes(metrics, "nodes", ("mem_available_delta_bytes", "mem_available_min_delta_bytes"),
-                     "exports no memtel_node_mem_available_bytes")
+                     f"exports no {NODE_SNAPSHOT_SERIES['mem_available_bytes']}")
     return Section("mem_available", "2. Host MemAvailable per request",
                    "Change of MemAvailable from just before the request to just after it, and the lowest point "
                    "during it (node samples), relative to before.\n\n"
@@ -253,7 +255,7 @@ def cold_statement(metrics: RunMetrics) -> str:
     """Whether every prefill was cold, from the server's prefix-cache hit counter."""
     known = metrics.cold_checked
     if not known:
-        return "Prefix cache: the servers do not export vllm:prefix_cache_hits; coldness not checked."
+        return f"Prefix cache: the servers do not export {vllm.PREFIX_CACHE_HITS.name}; coldness not checked."
     warm = [f"{a} repeat {r} {s} ({v:,.0f} tokens)" for (a, r, s), v in sorted(known.items()) if v > 0]
     if not warm:
         return f"Prefix cache: 0 hit tokens in all {len(known)} requests: every prefill was cold."
@@ -283,9 +285,9 @@ def ttft_section(metrics: RunMetrics) -> Section:
     notes = [cold_statement(metrics)]
     if no_server_ttft:
         notes.append(f"TTFT server n/a for {', '.join(no_server_ttft)}: its server's /metrics had no "
-                     "vllm:time_to_first_token_seconds, or did not answer, around those requests.")
+                     f"{vllm.TIME_TO_FIRST_TOKEN.name}, or did not answer, around those requests.")
     return Section("ttft", "3. Time to first token per request",
-                   "Client: request sent to first streamed content; server: vllm:time_to_first_token_seconds "
+                   f"Client: request sent to first streamed content; server: {vllm.TIME_TO_FIRST_TOKEN.name} "
                    "(sum/count deltas around the request).\n\n" + Table(head, rows).markdown() + "\n\n"
                    + "\n\n".join(notes))
 
@@ -311,8 +313,10 @@ def swap_section(metrics: RunMetrics) -> Section:
         head += [f"{arm}: swap in / out (pages)", f"{arm}: max swap used (MiB)", f"{arm}: NV_ERR_NO_MEMORY",
                  f"{arm}: Xid"]
     table = Table(head, rows)
+    swap, kernel = (", ".join(NODE_SNAPSHOT_SERIES[f"{k}_total"] for k in keys)
+                    for keys in (("pswpin", "pswpout"), ("nv_err_no_memory", "xid")))
     notes = na_notes(metrics, "nodes", ("pswpin", "pswpout", "nv_err_no_memory", "xid"),
-                     "exports no swap (memtel_node_vmstat_*) or kernel-log (memtel_kernel_*) counters")
+                     f"exports no swap ({swap}) or kernel-log ({kernel}) counters")
     return Section("swap", "4. Swap and driver errors per request",
                    _with_notes(table.markdown(), notes) if table else "_No nodes configured._")
 
@@ -356,20 +360,26 @@ def history_section(metrics: RunMetrics) -> Section | None:
 
 def hooked_calls_note(metrics: RunMetrics) -> str:
     """Next to the reserved-per-call plots: why the arms' lines end at different x when their call counts differ."""
-    run = metrics.run
+    # The calls inside the requests' windows, as the tables count them (a call log also holds calls made outside
+    # any request, such as a rank's warm-up: counting the whole log gave one call more than the tables).
     totals: dict[str, int] = {}
-    for arm in run.arms:
-        calls = run.hook_calls(arm, 0)
-        if calls:
-            totals[arm] = max(len(c) for c in calls.values())
+    for arm in metrics.run.arms:
+        per_rank: dict[int, int] = {}
+        for m in metrics.requests.values():
+            if m.arm == arm and m.repeat == 0:
+                for rank, location in m.hook.items():
+                    per_rank[rank] = per_rank.get(rank, 0) + location.calls
+        if per_rank:
+            totals[arm] = max(per_rank.values())
     if len(set(totals.values())) < 2:
         return ""
     counts = ", ".join(f"{arm} {n:,}" for arm, n in totals.items())
-    return (f"The x-axis counts hooked calls, and the arms made different numbers of them (repeat 0, busiest rank: "
-            f"{counts}), so their lines end at different x. Where the hooked function is the indexer's logits "
-            "launch, each launch holds at most the logits budget: an arm with wider logits (fixed: the padded width "
-            "from the first chunk on) splits a chunk's rows into more, narrower launches, so it makes more calls for "
-            "the same tokens. Compare the arms request by request (the tables above), not call by call.")
+    return (f"The x-axis counts hooked calls, and the arms made different numbers of them during the requests "
+            f"(repeat 0, busiest rank: {counts}), so their lines end at different x. Where the hooked function is "
+            "the indexer's logits launch, each launch holds at most the logits budget: an arm with wider logits "
+            "(fixed: the padded width from the first chunk on) splits a chunk's rows into more, narrower launches, "
+            "so it makes more calls for the same tokens. Compare the arms request by request (the tables above), "
+            "not call by call.")
 
 
 def plots_section(plots: list[Path], captions: dict[str, str] | None = None) -> Section:

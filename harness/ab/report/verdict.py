@@ -36,6 +36,7 @@ from harness.ab.report.stats import (
     Estimate,
     PairedDifference,
 )
+from telemetry.catalogue.fields import NODE_SNAPSHOT_SERIES
 
 MIB = 1024 * 1024
 
@@ -61,9 +62,10 @@ _UNIT = {"max_reserved_growth_mib": " MiB", "min_headroom_mib": " MiB", "min_mem
          "max_nv_err_events": "", "max_ttft_regression_pct": " %"}
 _ABSENT = {
     "reserved_growth_bytes": "exports no allocator series (no CUDA allocator in the hooked process?)",
-    "headroom_min_bytes": "exports no memtel_node_unified_headroom_bytes (its headroom collector failed?)",
-    "mem_available_min_bytes": "exports no memtel_node_mem_available_bytes",
-    "nv_err_no_memory": "exports no memtel_kernel_nv_err_no_memory_total",
+    "headroom_min_bytes": f"exports no {NODE_SNAPSHOT_SERIES['unified_headroom_bytes']} (its headroom collector "
+                          "failed?)",
+    "mem_available_min_bytes": f"exports no {NODE_SNAPSHOT_SERIES['mem_available_bytes']}",
+    "nv_err_no_memory": f"exports no {NODE_SNAPSHOT_SERIES['nv_err_no_memory_total']}",
 }
 
 

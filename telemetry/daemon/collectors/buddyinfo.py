@@ -25,7 +25,7 @@ from telemetry.procfs.buddyinfo import (
 from telemetry.procfs.procfile import ProcFile
 
 if TYPE_CHECKING:
-    from telemetry.daemon.config import DaemonConfig
+    from telemetry.daemon.settings import DaemonConfig
 
 
 def read_free_blocks(file: ProcFile) -> tuple[ZoneFreeBlocks, ...]:

@@ -43,7 +43,7 @@ from telemetry.procfs.procfile import ProcFile
 from telemetry.procfs.vmstat import VMSTAT_PATH, parse_vmstat
 
 if TYPE_CHECKING:
-    from telemetry.daemon.config import DaemonConfig
+    from telemetry.daemon.settings import DaemonConfig
 
 
 class HeadroomCollector:

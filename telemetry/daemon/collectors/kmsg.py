@@ -13,7 +13,7 @@ from telemetry.daemon.kmsg.follower import KmsgFollower
 from telemetry.daemon.registry import register
 
 if TYPE_CHECKING:
-    from telemetry.daemon.config import DaemonConfig
+    from telemetry.daemon.settings import DaemonConfig
 
 # kind -> its (lines counter, events counter, last-seen gauge)
 _PLAIN_KINDS = (

@@ -13,7 +13,7 @@ from telemetry.procfs.meminfo import MEMINFO_PATH, MeminfoReader
 from telemetry.procfs.unaccounted import unaccounted_bytes
 
 if TYPE_CHECKING:
-    from telemetry.daemon.config import DaemonConfig
+    from telemetry.daemon.settings import DaemonConfig
 
 def meminfo_families(values: dict[str, int]) -> Iterator[Metric]:
     for family, field in MEMINFO_FIELDS:  # a field the kernel lacks leaves its metric out

@@ -25,7 +25,7 @@ from telemetry.catalogue import metrics as catalogue
 from telemetry.daemon.registry import CollectorUnavailable, register
 
 if TYPE_CHECKING:
-    from telemetry.daemon.config import DaemonConfig
+    from telemetry.daemon.settings import DaemonConfig
 
 log = logging.getLogger("memtel.daemon.nvml")
 
@@ -128,7 +128,8 @@ class NvmlReader:
         except nvml.NVMLError as exc:
             if index not in self._power_logged:
                 self._power_logged.add(index)
-                log.info("GPU %d: NVML cannot report power usage (%s); memtel_gpu_power_watts left out", index, exc)
+                log.info("GPU %d: NVML cannot report power usage (%s); %s left out", index, exc,
+                         catalogue.GPU_POWER.series)
             return None
 
     def _processes(self, nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:

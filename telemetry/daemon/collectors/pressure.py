@@ -12,7 +12,7 @@ from telemetry.procfs.pressure import PRESSURE_MEMORY_PATH, PressureLine, parse_
 from telemetry.procfs.procfile import ProcFile
 
 if TYPE_CHECKING:
-    from telemetry.daemon.config import DaemonConfig
+    from telemetry.daemon.settings import DaemonConfig
 
 def pressure_families(lines: dict[str, PressureLine]) -> list[Metric]:
     return [family.new(lines[kind].total_seconds) for family, kind in PRESSURE_KINDS if kind in lines]

@@ -9,7 +9,6 @@ start. Afterwards only matched processes cost a read (their RSS). Bounded series
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,27 +17,11 @@ import psutil
 from prometheus_client.core import Metric
 
 from telemetry.catalogue.metrics import PROCESS_RESIDENT, PROCESS_ROLE_PROCESSES, PROCESS_ROLE_RESIDENT
-from telemetry.daemon.patterns import Searcher
 from telemetry.daemon.registry import register
+from telemetry.daemon.settings import DEFAULT_ROLES, RolePattern
 
 if TYPE_CHECKING:
-    from telemetry.daemon.config import DaemonConfig
-
-
-@dataclass(frozen=True)
-class RolePattern:
-    role: str
-    cmdline: Searcher  # searched in the command line joined by spaces (user roles: RE2, linear time)
-
-
-# vLLM's process titles: VLLM::APIServer_<n> (api server processes), VLLM::EngineCore[_DP<n>],
-# VLLM::Worker[_TP<n>...]; a single API server keeps its original `vllm serve ...` command line.
-DEFAULT_ROLES = (
-    RolePattern("api_server",
-                re.compile(r"^VLLM::APIServer|(?:^|[/\s])vllm\s+serve\b|vllm\.entrypoints\.openai\.api_server")),
-    RolePattern("engine_core", re.compile(r"^VLLM::EngineCore")),
-    RolePattern("worker", re.compile(r"^VLLM::Worker")),
-)
+    from telemetry.daemon.settings import DaemonConfig
 
 
 @dataclass

@@ -13,7 +13,7 @@ from telemetry.procfs.procfile import ProcFile
 from telemetry.procfs.vmstat import VMSTAT_PATH, parse_vmstat
 
 if TYPE_CHECKING:
-    from telemetry.daemon.config import DaemonConfig
+    from telemetry.daemon.settings import DaemonConfig
 
 def vmstat_families(values: dict[str, int]) -> list[Metric]:
     return [family.new(values[field]) for family, field in VMSTAT_FIELDS if field in values]

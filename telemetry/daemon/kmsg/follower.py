@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from telemetry.catalogue.metrics import KMSG_STATE_WRITE_FAILURES
 from telemetry.daemon.kmsg.classify import Classifier
 from telemetry.daemon.kmsg.counts import KmsgCounts
 from telemetry.daemon.kmsg.record import KmsgRecord, parse_record
@@ -108,7 +109,7 @@ class KmsgFollower:
             self.counts.add_state_write_failure()
             # strerror, not str(exc): the message names a random temporary file and must log once per cause.
             self._log_once(f"cannot write the kmsg state file {self.state_path}: {exc.strerror or exc} (the last good "
-                           "state is kept; counted in memtel_kernel_kmsg_state_write_failures_total)")
+                           f"state is kept; counted in {KMSG_STATE_WRITE_FAILURES.series})")
 
     # -- reading ------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -139,8 +139,8 @@ class Forecaster:
         self.environ = environ
         self.clock = clock
         self.results = ForecastResults()
-        self._vllm_workload: ForecastWorkload | None = None
-        self._no_indexer: str | None = None      # why vLLM's model has nothing to forecast
+        self._engine_workload: ForecastWorkload | None = None
+        self._no_indexer: str | None = None      # why the engine's model has nothing to forecast
         self._reference: ForecastWorkload | None = None
         self._checked_confs: dict[str, str | None] = {}   # alloc conf -> None (simulable) or the error
         # The simulation's process (helper.py); None: in this process (tests, and where asked).
@@ -171,27 +171,32 @@ class Forecaster:
     # ---- the workload ---------------------------------------------------------------------------
 
     def model_loaded(self, worker: Any) -> None:
-        """vLLM's `Worker.load_model` returned: read the workload from its config (never raises)."""
-        from telemetry.hook.forecast.vllm_workload import NoIndexer, read_vllm_workload
+        """An engine's model-loaded signal returned: read the workload from its config, where the engine's module
+        reads one (telemetry/engines/; vLLM's `Worker.load_model`). Never raises."""
+        from telemetry.engines import ENGINES
+        from telemetry.engines.registry import NoIndexer
+        from telemetry.hook.forecast.workload import engine_workload
 
         fallback = "MEMTEL_FORECAST_SHAPE" if self.config_workload else "the reference workload"
-        if getattr(worker, "vllm_config", None) is None:   # another engine: nothing to read from it
-            log.info("memtel: live forecast in pid %d: the loaded engine is not a vLLM worker; using %s",
-                     os.getpid(), fallback)
+        readers = [engine for engine in ENGINES if engine.workload is not None and engine.owns is not None]
+        engine = next((engine for engine in readers if engine.owns is not None and engine.owns(worker)), None)
+        if engine is None:   # another engine: nothing to read from it
+            log.info("memtel: live forecast in pid %d: the loaded engine is not a %s worker; using %s",
+                     os.getpid(), " or ".join(e.title for e in readers), fallback)
             return
         try:
-            self._vllm_workload = read_vllm_workload(worker, self.environ)
+            self._engine_workload = engine_workload(engine, worker, self.environ)
         except NoIndexer as reason:
             self._no_indexer = str(reason)
             if self.config_workload is None:
                 log.info("memtel: live forecast off in pid %d: %s", os.getpid(), reason)
-        except Exception as error:   # another engine, or a vLLM that keeps its config elsewhere
-            log.warning("memtel: live forecast in pid %d: cannot read the indexer workload from vLLM's config (%r); "
-                        "using %s", os.getpid(), error, fallback)
+        except Exception as error:   # an engine that keeps its config elsewhere
+            log.warning("memtel: live forecast in pid %d: cannot read the indexer workload from %s's config (%r); "
+                        "using %s", os.getpid(), engine.title, error, fallback)
 
     def workload(self) -> ForecastWorkload | None:
         """The workload to forecast now; None: none yet (the model is loading) or nothing to forecast."""
-        chosen = program_workload() or self._vllm_workload or self.config_workload
+        chosen = program_workload() or self._engine_workload or self.config_workload
         if chosen is not None:
             return chosen
         if self._no_indexer is not None or self.waiting_for_model():
@@ -208,7 +213,7 @@ class Forecaster:
         lengths = " and ".join(f"{n:,}" for n in self.tokens)
         head = f"{lengths} tokens every {self.interval_s:g} s"
         # Not self.workload(): this runs at a process's first hooked call, which must not build the reference.
-        workload = program_workload() or self._vllm_workload or self.config_workload
+        workload = program_workload() or self._engine_workload or self.config_workload
         if workload is None and self._no_indexer is not None:
             return f"off ({self._no_indexer})"
         unavailable = self.unavailable()

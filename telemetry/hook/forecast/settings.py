@@ -2,8 +2,8 @@
 
 Pure parsers, used by `HookConfig` (telemetry/hook/config.py) for MEMTEL_FORECAST_TOKENS,
 MEMTEL_FORECAST_INTERVAL_S and MEMTEL_FORECAST_SHAPE and for the same `install()` options. Each says
-in one line what was wrong and what is expected (ConfigError). Nothing here imports the harness: a
-shape text is turned into a workload only when it is given (telemetry/hook/forecast/workload.py).
+in one line what was wrong and what is expected (ConfigError). Nothing here imports the model
+(telemetry/model): a shape text is turned into a workload only when it is given (telemetry/hook/forecast/workload.py).
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ A `ForecastWorkload` is an `IndexerShape` (telemetry/model/indexer/shape.py) wit
 pattern, the allocator settings and its source, one of:
 
 - `program`: the program said so with `set_forecast_workload` (the lab server's ranks do);
-- `vllm`: read from vLLM's configuration and the loaded model at `Worker.load_model` (vllm_workload.py);
+- an engine's name (`vllm`): read from the engine's configuration and the loaded model when its model-loaded
+  signal returns, by the engine's module (telemetry/engines/vllm.py: `Engine.workload`);
 - `config`: MEMTEL_FORECAST_SHAPE (or `install(forecast_shape=...)`);
 - `reference`: IndexerShape's reference workload, where nothing else says more.
 
-The harness is imported only when a workload is built (never by `import telemetry.hook`).
+The model (telemetry/model) is imported only when a workload is built (never by `import telemetry.hook`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from telemetry.engines import ENGINES
+from telemetry.engines.registry import Engine
 from telemetry.errors import ConfigError
 from telemetry.hook.forecast.settings import parse_shape_pairs
 
@@ -30,8 +33,11 @@ PROGRAM = "program"
 VLLM = "vllm"
 CONFIG = "config"
 REFERENCE = "reference"
-SOURCES = (PROGRAM, VLLM, CONFIG, REFERENCE)
-SOURCE_WORDS = {PROGRAM: "set by the program with set_forecast_workload", VLLM: "read from vLLM's config",
+# the engines whose module reads the workload from their worker (telemetry/engines/: vLLM's)
+ENGINE_SOURCES = tuple(engine.name for engine in ENGINES if engine.workload is not None)
+SOURCES = (PROGRAM, *ENGINE_SOURCES, CONFIG, REFERENCE)
+SOURCE_WORDS = {PROGRAM: "set by the program with set_forecast_workload",
+                **{engine.name: f"read from {engine.title}'s config" for engine in ENGINES if engine.workload},
                 CONFIG: "from MEMTEL_FORECAST_SHAPE", REFERENCE: "the reference workload: MEMTEL_FORECAST_SHAPE unset"}
 
 # torch reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF, its older name, after it
@@ -107,6 +113,16 @@ def make_workload(shape: Any, *, mode: str = "stock", source: str = PROGRAM, pat
     return ForecastWorkload(shape, check_mode(mode), source, pattern, alloc_conf, tuple(details))
 
 
+def engine_workload(engine: Engine, worker: Any, environ: Mapping[str, str] = os.environ) -> ForecastWorkload:
+    """The workload `engine`'s module reads from its `worker` (source: the engine's name). NoIndexer
+    (telemetry.engines.registry) if the model has none; AttributeError / ConfigError where the engine keeps its
+    configuration elsewhere than its module reads."""
+    if engine.workload is None:
+        raise ConfigError(f"memtel does not read {engine.title}'s indexer workload")
+    read = engine.workload(worker, environ)
+    return make_workload(read.shape, mode=read.mode, source=engine.name, details=read.details)
+
+
 def workload_from_text(text: str, name: str = "MEMTEL_FORECAST_SHAPE") -> ForecastWorkload:
     """MEMTEL_FORECAST_SHAPE's `key=value,...` (settings.SHAPE_KEYS) over the reference workload."""
     from telemetry.model.indexer.shape import REFERENCE_SHAPE, IndexerShape, budget_bytes_from_mib
@@ -153,5 +169,6 @@ def program_workload() -> ForecastWorkload | None:
     return _program_workload
 
 
-__all__ = ["ALLOC_CONF_VARIABLES", "CONFIG", "PROGRAM", "REFERENCE", "SOURCES", "VLLM", "ForecastWorkload",
-           "make_workload", "process_alloc_conf", "program_workload", "set_forecast_workload", "workload_from_text"]
+__all__ = ["ALLOC_CONF_VARIABLES", "CONFIG", "ENGINE_SOURCES", "PROGRAM", "REFERENCE", "SOURCES", "VLLM",
+           "ForecastWorkload", "engine_workload", "make_workload", "process_alloc_conf", "program_workload",
+           "set_forecast_workload", "workload_from_text"]

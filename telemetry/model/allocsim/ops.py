@@ -77,7 +77,7 @@ class RecordedAddresses:
     """cudaMalloc addresses taken from a real run: the data pointer each malloc op returned.
 
     A new segment's first block starts at the segment's base, so the pointer of the malloc that
-    created a segment is that segment's address. `truth_capture --addresses` records them.
+    created a segment is that segment's address. `telemetry.model.capture.truth --addresses` records them.
     """
 
     def __init__(self, pointers: list[int]) -> None:

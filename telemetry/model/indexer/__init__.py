@@ -5,7 +5,8 @@
 - `launch.indexer_logits_launch`: one logits launch (the `lab-indexer` hook target).
 - `backends`: `LaunchBackend` with `SimBackend` (the allocator simulator) and `CudaBackend`.
 - `prefill.run_prefill`: the one launch loop (replay, truth capture, the demo's prediction, lab server ranks).
-- `replay`: `memtel replay`. `forecast`: growth forecasts from an allocator snapshot.
+- `replay`: `memtel replay`. `forecast`: growth forecasts from an allocator snapshot; `fit`: the longest
+  prefill that fits (it runs `forecast.simulate_prefill`); `forecast_cli`: `memtel forecast`, over both.
 
 Pure and deterministic on the simulator; the CUDA paths import torch only when they run.
 """

@@ -13,7 +13,9 @@ device allocations. Only the top `top` settings (and the process's own) need the
 3. branch and bound: settings are searched in full in the order of their bounds (cheapest first among equal
    bounds); once the top is full, a setting whose bound is below the top's last fit (or equal to it, with more
    launches) cannot enter it and is not searched; one that ties it on fit and launches is searched only if its
-   target-length peak is lower;
+   target-length peak is lower. Settings whose screen reaches max-model-len are searched first, fewest launches
+   first, and once the top is full of such settings the rest with more launches are ruled out without a screen
+   (no fit exceeds max-model-len; `tune`);
 4. inside one setting, `max_prefill_tokens` bisects on the length (fit.py: one long prefill answers every chunk
    boundary; a search inside the classes of the last chunk).
 
@@ -31,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from telemetry.errors import ConfigError
-from telemetry.model.allocsim.config import parse_alloc_conf
+from telemetry.model.allocsim.config import format_alloc_conf, parse_alloc_conf
+from telemetry.model.allocsim.simulator import DEFAULT_TOTAL_MEMORY
 from telemetry.model.allocsim.snapshot import AllocatorState
 from telemetry.model.indexer.fit import MaxFit, max_prefill_tokens
 from telemetry.model.indexer.forecast import Forecast, simulate_prefill
@@ -41,6 +44,7 @@ from telemetry.model.indexer.shape import FLOAT32_BYTES, MAX_BUDGET_BYTES, Index
 from telemetry.model.tune.space import Expanded, Setting
 
 DEFAULT_TOP = 5
+CAPS = ("device", "fraction")
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,11 @@ class Problem:
 
     limit_bytes: what the allocator may reserve in all (the simulator's capacity); total_memory: the device's
     total (a memory fraction's base; None: unknown); release_cache_on_oom: False where the limit is a share of
-    a node the allocator does not see (fit.py).
+    a node the allocator does not see (fit.py); cap: how the limit stops the allocator. "device": the memory
+    runs out (cudaMalloc fails, or cuMemCreate for an expandable segment's pages: the pages mapped count);
+    "fraction": torch's per-process memory fraction (`set_per_process_memory_fraction`, what `--verify` on CUDA
+    sets), checked before each new segment against the request's segment size, not the pages an expandable
+    segment maps for it.
     """
 
     state: AllocatorState
@@ -59,8 +67,17 @@ class Problem:
     pattern: LaunchPattern = field(default_factory=LaunchPattern)
     total_memory: int | None = None
     release_cache_on_oom: bool = True
+    cap: str = "device"
 
     def __post_init__(self) -> None:
+        if self.cap not in CAPS:
+            raise ConfigError(f"the cap must be {' or '.join(CAPS)}, got {self.cap!r}")
+        if self.cap == "fraction" and not self.release_cache_on_oom:
+            raise ConfigError("a memory fraction is the allocator's own limit: it frees its cache before it runs "
+                              "out, so it cannot stand for a share of a node")
+        if self.cap == "fraction" and parse_alloc_conf(self.state.alloc_conf or "").per_process_memory_fraction:
+            raise ConfigError("the snapshot's settings already set per_process_memory_fraction: give the memory as "
+                              "--cap device, or the fraction's memory as the limit")
         if isinstance(self.target_tokens, bool) or not isinstance(self.target_tokens, int) or self.target_tokens < 1:
             raise ConfigError(f"the target length must be a positive number of tokens, got {self.target_tokens!r}")
         live = self.state.counters.allocated_bytes
@@ -159,24 +176,39 @@ def _behaviour_key(problem: Problem, setting: Setting) -> tuple[Any, ...]:
     return (conf, _budget_key(shape, setting.mode), setting.chunk, setting.mode)
 
 
+def simulated_limit(problem: Problem, alloc_conf: str) -> tuple[str, int, int | None]:
+    """(allocator settings, capacity bytes, total memory) that make the simulator stop where `problem`'s cap
+    stops the allocator: the limit as the device's capacity, or as a per-process memory fraction of the total
+    memory (the device's; an H200's when unknown) with the device itself as the capacity."""
+    if problem.cap == "device":
+        return alloc_conf, problem.limit_bytes, problem.total_memory
+    total = problem.total_memory or DEFAULT_TOTAL_MEMORY
+    fraction = min(problem.limit_bytes / total, 1.0)
+    conf = dataclasses.replace(parse_alloc_conf(alloc_conf), per_process_memory_fraction=fraction)
+    return format_alloc_conf(conf), total, total
+
+
 def _simulate(problem: Problem, setting: Setting, tokens: int, counter: _Counter) -> Forecast:
     counter.simulations += 1
+    conf, capacity, total = simulated_limit(problem, setting.alloc_conf)
     forecast, _ = simulate_prefill(problem.state, setting.shape(problem.base), tokens, mode=setting.mode,
-                                   alloc_conf=setting.alloc_conf, pattern=problem.pattern,
-                                   capacity_bytes=problem.limit_bytes, total_memory=problem.total_memory,
-                                   release_cache_on_oom=problem.release_cache_on_oom)
+                                   alloc_conf=conf, pattern=problem.pattern, capacity_bytes=capacity,
+                                   total_memory=total, release_cache_on_oom=problem.release_cache_on_oom)
     return forecast
 
 
-def evaluate(problem: Problem, setting: Setting, counter: _Counter | None = None) -> Outcome:
-    """One setting searched in full: its longest fit and its target-length prefill."""
+def evaluate(problem: Problem, setting: Setting, counter: _Counter | None = None,
+             target: Forecast | None = None) -> Outcome:
+    """One setting searched in full: its longest fit and its target-length prefill (`target`: already simulated)."""
     counter = counter or _Counter()
     shape = setting.shape(problem.base)
-    fit = max_prefill_tokens(problem.state, shape, limit_bytes=problem.limit_bytes, mode=setting.mode,
-                             alloc_conf=setting.alloc_conf, pattern=problem.pattern,
-                             total_memory=problem.total_memory, release_cache_on_oom=problem.release_cache_on_oom)
+    conf, capacity, total = simulated_limit(problem, setting.alloc_conf)
+    fit = max_prefill_tokens(problem.state, shape, limit_bytes=capacity, mode=setting.mode, alloc_conf=conf,
+                             pattern=problem.pattern, total_memory=total,
+                             release_cache_on_oom=problem.release_cache_on_oom)
     counter.simulations += fit.simulations
-    target = _simulate(problem, setting, problem.target_tokens, counter)
+    if target is None:
+        target = _simulate(problem, setting, problem.target_tokens, counter)
     return Outcome(setting, launches_per_prefill(shape, setting.mode, problem.target_tokens), fit=fit, target=target)
 
 
@@ -189,9 +221,9 @@ def _upper_bound(problem: Problem, setting: Setting, counter: _Counter) -> int:
     if floor > problem.limit_bytes:
         return 0   # not even the first launch of one token fits beside the live bytes
     counter.simulations += 1
-    forecast, watch = simulate_prefill(problem.state, shape, top, mode=setting.mode, alloc_conf=setting.alloc_conf,
-                                       pattern=problem.pattern, capacity_bytes=problem.limit_bytes,
-                                       total_memory=problem.total_memory,
+    conf, capacity, total = simulated_limit(problem, setting.alloc_conf)
+    forecast, watch = simulate_prefill(problem.state, shape, top, mode=setting.mode, alloc_conf=conf,
+                                       pattern=problem.pattern, capacity_bytes=capacity, total_memory=total,
                                        release_cache_on_oom=problem.release_cache_on_oom)
     if not forecast.out_of_memory:
         return top
@@ -199,17 +231,39 @@ def _upper_bound(problem: Problem, setting: Setting, counter: _Counter) -> int:
     return min(step * shape.chunk + shape.chunk, top) - 1
 
 
+def _dominated(bound: int, launches: int, last: Outcome | None) -> str | None:
+    """Why a setting whose fit is at most `bound`, with `launches`, cannot enter a top whose last is `last`
+    (None: it may). Its rank key is at least (-bound, launches); the top's last is (-last.fit, last.launches)."""
+    if last is None:
+        return None
+    if bound < last.fit_tokens:
+        return f"its longest fit is at most {bound:,} tokens (one prefill of max-model-len), below the top"
+    if bound == last.fit_tokens and launches > last.launches:
+        return (f"its longest fit is at most {bound:,} tokens, the top's last, with more launches per target "
+                "prefill")
+    return None
+
+
 def tune(problem: Problem, expanded: Expanded, process: Setting, *, top: int = DEFAULT_TOP,
          progress: Callable[[int, int], None] | None = None) -> TuneResult:
     """Search `expanded`'s settings for `problem` (module docstring). `process` is the process's own setting,
     searched in full whatever its rank. progress(done, total) is called after each setting screened and each
-    searched in full."""
+    searched in full.
+
+    Phase 1 walks the groups of alike settings in tiers of equal launches, fewest first: each group of a tier
+    is screened; those whose bound is max-model-len get their target-length prefill and are searched in full
+    in the order of its (peak, device allocations), the others wait. Once the top is full of settings that
+    fit max-model-len, every group of a later tier is ruled out unscreened: no fit exceeds max-model-len, so
+    its rank key (-fit, launches, ...) is above the top's last, whose launches are fewer. Within a tier, a
+    group whose bound ties the last's fit is searched only if its (peak, device allocations) at the target is
+    below the last's, the rest of the rank key. Phase 2 takes the waiting groups by their bounds, highest
+    first, as step 3 of the module docstring says."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ConfigError(f"top must be a positive integer, got {top!r}")
     started = time.process_time()
     counter = _Counter()
     target = problem.target_tokens
-    # 1. Screen: settings that behave alike once, each with its bound from one long prefill.
+    longest = problem.base.max_model_len
     groups: dict[tuple[Any, ...], list[Setting]] = {}
     for setting in expanded.settings:
         groups.setdefault(_behaviour_key(problem, setting), []).append(setting)
@@ -217,39 +271,68 @@ def tune(problem: Problem, expanded: Expanded, process: Setting, *, top: int = D
     for members in groups.values():
         members.sort(key=lambda s: launches[s])
     total = len(groups) * 2
-    bounds: dict[tuple[Any, ...], int] = {}
-    for index, (key, members) in enumerate(groups.items()):
-        bounds[key] = _upper_bound(problem, members[0], counter)
-        if progress is not None:
-            progress(index + 1, total)
-    # 2. Search in full, best bound first (cheapest first among equal bounds), until no bound can enter the top.
-    order = sorted(groups, key=lambda k: (-bounds[k], launches[groups[k][0]]))
+    done = 0
     ranked: list[Outcome] = []
     pruned: list[Outcome] = []
-    for index, key in enumerate(order):
+
+    def last() -> Outcome | None:
+        return ranked[-1] if len(ranked) >= top else None
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    def settle(key: tuple[Any, ...], bound: int, probe: Forecast | None = None) -> None:
         members = groups[key]
         lead = members[0]
-        bound = bounds[key]
-        last = ranked[-1] if len(ranked) >= top else None
-        why = None
-        if last is not None and (bound < last.fit_tokens
-                                 or (bound == last.fit_tokens and launches[lead] > last.launches)):
-            why = f"its longest fit is at most {bound:,} tokens (one prefill of max-model-len), below the top"
-        elif last is not None and bound == last.fit_tokens and last.target is not None:
-            probe = _simulate(problem, lead, target, counter)   # ties on fit and launches: the peak decides
-            if probe.peak_reserved_bytes >= last.target.peak_reserved_bytes:
-                why = "ties the top's last on fit and launches at a peak no lower"
+        why = _dominated(bound, launches[lead], last())
+        end = last()
+        if (why is None and end is not None and bound == end.fit_tokens and launches[lead] == end.launches
+                and end.target is not None):
+            probe = probe or _simulate(problem, lead, target, counter)   # ties on fit and launches: the peak
+            if (probe.peak_reserved_bytes, probe.num_device_alloc) >= (end.target.peak_reserved_bytes,
+                                                                       end.target.num_device_alloc):
+                why = "ties the top's last on fit and launches at a peak and device allocations no lower"
         if why is not None:
-            pruned += [Outcome(s, launches[s], fit_at_most=bound, pruned=why) for s in members]
+            pruned.extend(Outcome(s, launches[s], fit_at_most=bound, pruned=why) for s in members)
         else:
-            outcome = evaluate(problem, lead, counter)
-            ranked += [outcome] + [dataclasses.replace(outcome, setting=s, launches=launches[s], same_as=lead)
-                                   for s in members[1:]]
+            outcome = evaluate(problem, lead, counter, probe)
+            ranked.extend([outcome] + [dataclasses.replace(outcome, setting=s, launches=launches[s], same_as=lead)
+                                       for s in members[1:]])
             ranked.sort(key=Outcome.rank_key)
             while len(ranked) > top:
                 pruned.append(dataclasses.replace(ranked.pop(), pruned="below the top"))
-        if progress is not None:
-            progress(len(groups) + index + 1, total)
+        tick()
+
+    bounds: dict[tuple[Any, ...], int] = {}
+    waiting: list[tuple[Any, ...]] = []
+    tiers: dict[int, list[tuple[Any, ...]]] = {}
+    for key in groups:
+        tiers.setdefault(launches[groups[key][0]], []).append(key)
+    for count in sorted(tiers):
+        end = last()
+        if end is not None and end.fit_tokens == longest and count > end.launches:
+            why = (f"more launches per target prefill than the top's last ({end.launches:,}), whose fit is "
+                   f"max-model-len, which no fit exceeds")
+            for rest in (k for c in sorted(tiers) if c >= count for k in tiers[c]):
+                pruned.extend(Outcome(s, launches[s], fit_at_most=longest, pruned=why) for s in groups[rest])
+                tick()
+                tick()
+            break
+        whole: list[tuple[Forecast, tuple[Any, ...]]] = []
+        for key in tiers[count]:
+            bounds[key] = _upper_bound(problem, groups[key][0], counter)
+            tick()
+            if bounds[key] == longest:
+                whole.append((_simulate(problem, groups[key][0], target, counter), key))
+            else:
+                waiting.append(key)
+        for probe, key in sorted(whole, key=lambda p: (p[0].peak_reserved_bytes, p[0].num_device_alloc)):
+            settle(key, longest, probe)
+    for key in sorted(waiting, key=lambda k: (-bounds[k], launches[groups[k][0]])):
+        settle(key, bounds[key])
     mine = next((o for o in ranked if o.setting == process), None)
     if mine is None:   # today's setting, even outside the space, is ranked with the others (it may be the best)
         mine = evaluate(problem, process, counter)
@@ -274,5 +357,5 @@ def suggest_utilization(outcome: Outcome, problem: Problem, current: float, tota
     return share if 0.0 < share <= 1.0 else None
 
 
-__all__ = ["DEFAULT_TOP", "Outcome", "Problem", "TuneResult", "evaluate", "launches_per_prefill", "suggest_utilization",
-           "tune"]
+__all__ = ["CAPS", "DEFAULT_TOP", "Outcome", "Problem", "TuneResult", "evaluate", "launches_per_prefill",
+           "simulated_limit", "suggest_utilization", "tune"]

@@ -2,7 +2,7 @@
 `SearchSpace` of them, each value checked the way torch's allocator-config parser and the engine check it.
 
 A setting's allocator part is written as a `PYTORCH_CUDA_ALLOC_CONF` string and parsed back with
-`telemetry.model.allocsim.config.parse_alloc_conf` (torch's rules: `max_split_size_mb` above 20,
+`telemetry.model.allocsim.config.parse_alloc_conf` (torch 2.11's rules: `max_split_size_mb` at least 20,
 `roundup_power2_divisions` a power of two, `garbage_collection_threshold` in (0, 1)), so a string torch would
 reject is never produced. Settings of the process that the search does not vary (`per_process_memory_fraction`,
 `max_non_split_rounding_mb`) are kept as the process has them.
@@ -70,8 +70,8 @@ class SearchSpace:
         """SearchSpaceError naming every value torch or the planner would reject."""
         problems = []
         for mb in self.max_split_size_mb:
-            if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb <= MIN_SPLIT_MB):
-                problems.append(f"max_split_size_mb {mb!r} (torch needs an integer above {MIN_SPLIT_MB})")
+            if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < MIN_SPLIT_MB):
+                problems.append(f"max_split_size_mb {mb!r} (torch needs an integer of at least {MIN_SPLIT_MB})")
         for n in self.roundup_power2_divisions:
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not _power_of_two(n)):
                 problems.append(f"roundup_power2_divisions {n!r} (torch needs a power of two)")

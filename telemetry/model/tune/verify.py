@@ -9,12 +9,13 @@ telemetry.model.tune.verify`, a JSON request on stdin) whose environment carries
 - `cuda`: the process starts under the snapshot's own allocator settings, rebuilds the snapshot's state by
   allocating (rebuild.py, checked against the snapshot's layout), switches to the setting's allocator settings
   (`torch.cuda.memory._set_allocator_settings`, as the simulator keeps the state and applies the new settings
-  from then on), caps the allocator at the limit (`set_per_process_memory_fraction`) and runs the prefill on
-  `CudaBackend`; peak from `reserved_bytes.all.peak`;
+  from then on), caps the allocator at the limit (`set_per_process_memory_fraction`: the problem's cap must be
+  "fraction", which the prediction then models) and runs the prefill on `CudaBackend`; peak from
+  `reserved_bytes.all.peak`;
 - `sim`: the lab's simulated allocator: a simulator seeded with the state under the settings read back from
-  the probe's environment, the launches made through the hook target (`indexer_logits_launch`), as the lab
-  server's ranks make them. It checks the pipeline (the lines, a fresh process, the launch path); it is the same
-  model as the prediction, so only the GPU can prove the prediction.
+  the probe's environment, capped as the problem's cap says, the launches made through the hook target
+  (`indexer_logits_launch`), as the lab server's ranks make them. It checks the pipeline (the lines, a fresh
+  process, the launch path); it is the same model as the prediction, so only the GPU can prove the prediction.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 from telemetry.errors import RunError
 from telemetry.model.indexer.prefill import LaunchPattern
 from telemetry.model.indexer.shape import IndexerShape
-from telemetry.model.tune.search import Outcome, Problem
+from telemetry.model.tune.search import Outcome, Problem, simulated_limit
 
 ALLOC_CONF_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
 PROBE_TIMEOUT_S = 300.0
@@ -94,7 +95,7 @@ def _request(problem: Problem, source: SnapshotSource, outcome: Outcome, tokens:
             "mode": setting.mode, "tokens": tokens, "limit_bytes": problem.limit_bytes,
             "total_memory": problem.total_memory, "release_cache_on_oom": problem.release_cache_on_oom,
             "pattern": dataclasses.asdict(problem.pattern), "allocator": allocator, "alloc_conf": setting.alloc_conf,
-            "process_alloc_conf": problem.state.alloc_conf or ""}
+            "process_alloc_conf": problem.state.alloc_conf or "", "cap": problem.cap}
 
 
 def run_probe(problem: Problem, source: SnapshotSource, outcome: Outcome, tokens: int, allocator: str,
@@ -121,6 +122,9 @@ def run_probe(problem: Problem, source: SnapshotSource, outcome: Outcome, tokens
 
 def verify(problem: Problem, source: SnapshotSource, outcomes: list[Outcome], allocator: str) -> list[Verified]:
     """Run each outcome's probes (module docstring): N, N + 1 (below max-model-len) and the target length."""
+    if allocator == "cuda" and problem.cap != "fraction":
+        raise RunError("verify on cuda caps the allocator with a per-process memory fraction: search with the cap "
+                       "\"fraction\" (memtel tune --cap fraction) so that the prediction is of the same cap")
     results = []
     top = problem.base.max_model_len
     for outcome in outcomes:
@@ -192,8 +196,10 @@ def _sim_probe(request: dict[str, Any], shape: IndexerShape, pattern: LaunchPatt
     from telemetry.model.indexer.prefill import run_prefill
 
     state = _load_state(request)
-    sim = seeded_simulator(state, os.environ.get(ALLOC_CONF_VARIABLE, ""), capacity_bytes=request["limit_bytes"],
-                           total_memory=request["total_memory"],
+    problem = Problem(state, shape, request["limit_bytes"], max(request["tokens"], 1), pattern,
+                      request["total_memory"], request["release_cache_on_oom"], request["cap"])
+    conf, capacity, total = simulated_limit(problem, os.environ.get(ALLOC_CONF_VARIABLE, ""))
+    sim = seeded_simulator(state, conf, capacity_bytes=capacity, total_memory=total,
                            release_cache_on_oom=request["release_cache_on_oom"])
     backend = _SimProcess(sim)
     started = time.perf_counter()

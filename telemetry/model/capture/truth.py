@@ -2,7 +2,7 @@
 
 Run on a machine with a GPU (torch with CUDA):
 
-    PYTHONPATH=. python3 -m telemetry.model.allocsim.truth_capture --out DIR
+    PYTHONPATH=. python3 -m telemetry.model.capture.truth --out DIR
 
 For every allocator config it starts one process with `PYTORCH_CUDA_ALLOC_CONF` set (PyTorch reads
 the setting once per process) and writes `DIR/<gpu>-torch<version>-<config>.json` in the shared
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / f"h200-torch-{config_slug(config)}.json"
         started = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "telemetry.model.allocsim.truth_capture", "--out", str(args.out), "--worker",
+            [sys.executable, "-m", "telemetry.model.capture.truth", "--out", str(args.out), "--worker",
              "--file", str(path)]
             + (["--addresses"] if args.addresses else []),
             env=env,

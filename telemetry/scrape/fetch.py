@@ -15,9 +15,12 @@ import io
 import socket
 import ssl
 import time
-from urllib.parse import urlsplit
+from collections.abc import Iterable
 
+from telemetry.catalogue import Family
 from telemetry.errors import printable, shown
+from telemetry.scrape.reader import Exposition, ExpositionError, parse_body
+from telemetry.scrape.url import Endpoint, parse_url
 
 MAX_REASON_CHARS = 120   # an endpoint's own words (a status line, a header) in the reason, escaped and cut
 
@@ -101,17 +104,19 @@ def _reason(error: BaseException) -> str:
     return printable(" ".join(str(error).split()) or type(error).__name__, MAX_REASON_CHARS)
 
 
-def get(url: str, deadline: float, max_bytes: int) -> bytes:
-    """The body of a 200 answer to GET `url` (http or https), read whole before `deadline` (time.monotonic());
-    FetchError otherwise."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+def get(url: Endpoint | str, deadline: float, max_bytes: int) -> bytes:
+    """The body of a 200 answer to GET `url` (http or https; telemetry/scrape/url.py), read whole before
+    `deadline` (time.monotonic()); FetchError otherwise."""
+    endpoint = url if isinstance(url, Endpoint) else parse_url(url)
+    host, port = endpoint.host, endpoint.port
     connection = http.client.HTTPConnection(host, port)
     response: http.client.HTTPResponse | None = None
+    headers = {"Accept": "text/plain"}
+    if endpoint.authorization is not None:
+        headers["Authorization"] = endpoint.authorization
     try:
-        connection.sock = _DeadlineSocket(_connect(parts.scheme, host, port, deadline), deadline)
-        connection.request("GET", parts.path or "/", headers={"Accept": "text/plain"})
+        connection.sock = _DeadlineSocket(_connect(endpoint.scheme, host, port, deadline), deadline)
+        connection.request("GET", endpoint.path, headers=headers)
         response = connection.getresponse()
         if response.status != 200:
             raise FetchError(f"HTTP {response.status}")
@@ -154,4 +159,14 @@ def get(url: str, deadline: float, max_bytes: int) -> bytes:
         connection.close()
 
 
-__all__ = ["FetchError", "get"]
+def read_metrics(url: Endpoint | str, deadline: float, max_bytes: int,
+                 only: Iterable[Family] | None = None) -> Exposition:
+    """The exposition at `url` (telemetry/scrape/reader.py), read whole before `deadline`; FetchError (one line)
+    for an endpoint that cannot be read or answers anything but a whole /metrics body."""
+    try:
+        return parse_body(get(url, deadline, max_bytes), only)
+    except ExpositionError as error:
+        raise FetchError(str(error)) from None
+
+
+__all__ = ["FetchError", "get", "read_metrics"]

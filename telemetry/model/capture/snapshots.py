@@ -2,7 +2,7 @@
 
 Run on a machine with a GPU (torch with CUDA):
 
-    PYTHONPATH=. python3 -m telemetry.model.allocsim.snapshot_capture --out DIR
+    PYTHONPATH=. python3 -m telemetry.model.capture.snapshots --out DIR
 
 Two kinds of capture, each process with its own `PYTORCH_CUDA_ALLOC_CONF` (read once per process):
 
@@ -60,7 +60,7 @@ DRY_WORKLOAD = {"hidden": 64, "heads": 4, "layers": 2, "chunk": 256, "ratio": 4,
 
 
 def slug(config: str) -> str:
-    from telemetry.model.allocsim.truth_capture import config_slug
+    from telemetry.model.capture.truth import config_slug
 
     return config_slug(config)
 
@@ -70,7 +70,7 @@ def slug(config: str) -> str:
 
 def prefill_ops(mode: str, tokens: int, chunk: int, layers: int, max_model_len: int = 204_800) -> list[list[Any]]:
     """The launch loop's ops for one prefill (telemetry.model.indexer.prefill.run_prefill)."""
-    from telemetry.model.allocsim.truth_capture import indexer_case
+    from telemetry.model.capture.truth import indexer_case
 
     return indexer_case(mode, tokens=tokens, chunk=chunk, layers=layers, max_model_len=max_model_len)
 
@@ -397,7 +397,7 @@ def run_worker(module: str, args: list[str], config: str, log: list[str]) -> boo
 
 
 def _run(args: list[str], config: str, log: list[str]) -> bool:
-    return run_worker("telemetry.model.allocsim.snapshot_capture", args, config, log)
+    return run_worker("telemetry.model.capture.snapshots", args, config, log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,12 +2,12 @@
 
 Run on a machine with a GPU (torch with CUDA):
 
-    PYTHONPATH=. python3 -m telemetry.model.allocsim.gc_capture --out DIR [--set gc|empty-cache] [--dry-run]
+    PYTHONPATH=. python3 -m telemetry.model.capture.gc_histories --out DIR [--set gc|empty-cache] [--dry-run]
 
 Each run is one process with its own `PYTORCH_CUDA_ALLOC_CONF`: a `garbage_collection_threshold`
 (which acts only under a memory fraction) and a `per_process_memory_fraction` (in the setting, or
 through `torch.cuda.set_per_process_memory_fraction()` for the runs marked `api`), some with
-`expandable_segments:True`. The workload is snapshot_capture.run_workload (transformer layers over
+`expandable_segments:True`. The workload is snapshots.run_workload (transformer layers over
 requests of varying length, with indexer-style logits that grow with the position in the prompt)
 in several shapes. The fraction is sized from that shape's peak reserved bytes under the defaults
 (a probe run without recording), so that garbage collection has work to do.
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from telemetry.model.allocsim.snapshot_capture import DRY_WORKLOAD, WORKLOAD, run_worker, run_workload
+from telemetry.model.capture.snapshots import DRY_WORKLOAD, WORKLOAD, run_worker, run_workload
 
 SHAPES: dict[str, dict[str, Any]] = {
     "a": WORKLOAD,
@@ -158,7 +158,7 @@ def worker(out: Path, name: str, shape: str, fraction: float | None, how: str, r
 
 
 def _run(out: Path, args: list[str], config: str, log: list[str]) -> bool:
-    return run_worker("telemetry.model.allocsim.gc_capture", ["--out", str(out), *args], config, log)
+    return run_worker("telemetry.model.capture.gc_histories", ["--out", str(out), *args], config, log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,75 @@
+"""`memtel tune --hook URL`: a live hook's allocator state, read from its exporter's `/snapshot`.
+
+The hook's exporter serves `torch.cuda.memory_snapshot()` of its rank (telemetry/hook/exporter.py). Whatever
+answers on the port is read as untrusted, as `memtel forecast` reads a file: one deadline for the whole GET, the
+body capped at `--max-file-gb` and parsed with the same object and block limits (`--max-objects`,
+`--max-blocks`), every failure one line. The body is kept in a temporary file for `--verify`'s probes, which
+read the state again in fresh processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from telemetry.errors import ConfigError, RunError
+
+FETCH_SECONDS = 30.0
+_STATUS_WHY = {
+    403: "the hook serves its snapshot only on a loopback address or behind a login (give the user and password "
+         "in the URL)",
+    404: "no /snapshot here (a hook older than this memtel, or not a hook's exporter)",
+    413: "the snapshot is larger than the hook serves",
+    503: "the hooked process has no allocator snapshot yet (no hooked call has run on a CUDA device)",
+}
+
+
+def hook_endpoint(text: str) -> Any:
+    """The /snapshot endpoint of the hook named by `text` (HOST:PORT, http(s)://[USER:PASSWORD@]HOST:PORT[/PATH];
+    a bare host: the hook's default port; a /metrics path is taken to mean the same exporter)."""
+    from telemetry.hook.exporter import SNAPSHOT_PATH
+    from telemetry.scrape.ports import HOOK_PORT
+    from telemetry.scrape.url import METRICS_PATH, parse_url
+
+    endpoint = parse_url(text, "--hook", default_port=HOOK_PORT, default_path=SNAPSHOT_PATH)
+    if endpoint.path in (METRICS_PATH, "/"):
+        endpoint = dataclasses.replace(endpoint, path=SNAPSHOT_PATH)
+    return endpoint
+
+
+def fetch_snapshot(text: str, *, device: int | None, max_bytes: int, max_objects: int, max_blocks: int,
+                   seconds: float = FETCH_SECONDS) -> tuple[Any, Path]:
+    """(the AllocatorState, a temporary file holding the body) of the hook at `text`; ConfigError (one line) for
+    a bad URL or a body that is no snapshot within the limits, RunError (one line) when the hook cannot be read.
+    The caller removes the file."""
+    from telemetry.model.allocsim.snapshot import read_allocator_state
+    from telemetry.model.allocsim.snapshot_file import parse_snapshot_bytes
+    from telemetry.scrape.fetch import FetchError, get
+
+    endpoint = hook_endpoint(text)
+    try:
+        body = get(endpoint, time.monotonic() + seconds, max_bytes)
+    except FetchError as exc:
+        message = str(exc)
+        status = message[5:].strip() if message.startswith("HTTP ") else ""
+        why = _STATUS_WHY.get(int(status)) if status.isdigit() else None
+        raise RunError(f"--hook {endpoint.url}: {message}" + (f": {why}" if why else "")) from None
+    doc = parse_snapshot_bytes(body, endpoint.url, max_bytes, max_objects)
+    if device is None and isinstance(doc, dict) and isinstance(doc.get("device"), int):
+        device = doc["device"]
+    state = read_allocator_state(doc, device=device, source=endpoint.url, max_blocks=max_blocks)
+    handle, name = tempfile.mkstemp(prefix="memtel-tune-", suffix=".json")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            f.write(body)
+    except OSError as exc:
+        Path(name).unlink(missing_ok=True)
+        raise ConfigError(f"--hook: cannot keep the snapshot in a temporary file: {exc.strerror or exc}") from None
+    return state, Path(name)
+
+
+__all__ = ["FETCH_SECONDS", "fetch_snapshot", "hook_endpoint"]

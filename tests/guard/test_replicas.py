@@ -1,0 +1,173 @@
+"""The guard in front of two engines (--replica): each prompt goes where it fits, preferring the most room."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from telemetry.guard.proxy import GuardLimits
+from tests.guard.servers import RunningGuard, StubHook, StubUpstream, exposition, request
+from tests.support.cli import call_main
+
+LIMITS = {"big": 2000, "small": 800}
+IN_POOL = "memtel_guard_replica_in_pool"
+FORWARDED = "memtel_guard_replica_forwarded_total"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    found = {}
+    for name in LIMITS:
+        upstream = StubUpstream()
+        hook = StubHook(lambda name=name: exposition(LIMITS[name], node=f"node-{name}", rank="0", budget=4e9))
+        found[name] = (upstream, hook)
+    yield found
+    for upstream, hook in found.values():
+        upstream.stop()
+        hook.stop()
+
+
+@pytest.fixture(scope="module")
+def guard(engines):
+    running = RunningGuard("", [], stale_s=0.5, limits=GuardLimits(queue_s=3.0),
+                           replicas=[(up.url, [hook.url]) for up, hook in engines.values()])
+    running.wait_for(lambda: all(r.tracker.published is not None for r in running.proxy.replicas))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def _clean(engines, guard):
+    LIMITS.update(big=2000, small=800)
+    for upstream, hook in engines.values():
+        upstream.seen.clear()
+        upstream.hold, upstream.healthy, hook.down = None, True, False
+    guard.wait_for(lambda: all(guard.sample(IN_POOL, {"replica": r.name}) == 1 for r in guard.proxy.replicas))
+    yield
+    for upstream, _hook in engines.values():
+        if upstream.hold is not None:
+            upstream.hold.set()
+
+
+def completions(upstream: StubUpstream) -> list[int]:
+    return [len(json.loads(body)["prompt"]) for _m, path, body in list(upstream.seen) if path == "/v1/completions"]
+
+
+def ids(n: int) -> dict:
+    return {"model": "stub", "prompt": [7] * n, "max_tokens": 4}
+
+
+def test_a_long_prompt_goes_to_the_replica_where_it_fits(guard, engines):
+    for _ in range(3):
+        status, _h, _d = request(guard.url, "POST", "/v1/completions", ids(1500))  # fits only the big one
+        assert status == 200
+    assert completions(engines["big"][0]) == [1500] * 3 and completions(engines["small"][0]) == []
+    assert guard.sample(FORWARDED, {"replica": engines["big"][0].url}) >= 3
+
+
+def test_short_prompts_spread_by_the_room_left(guard, engines):
+    for upstream, _hook in engines.values():
+        upstream.hold = threading.Event()  # every prefill stays in progress, holding its tokens
+    calls = []
+    for n in range(4):
+        call = threading.Thread(target=request, args=(guard.url, "POST", "/v1/completions", ids(500)), daemon=True)
+        call.start()
+        calls.append(call)
+        guard.wait_for(lambda n=n: sum(r.tracker.in_prefill_tokens for r in guard.proxy.replicas) == 500 * (n + 1))
+    # room 2000 / 800: the big one takes three (2000, 1500, 1000 left before each), then the small one has more
+    assert [r.tracker.in_prefill_tokens for r in guard.proxy.replicas] == [1500, 500]
+    for upstream, _hook in engines.values():
+        upstream.hold.set()
+    for call in calls:
+        call.join(5)
+    assert len(completions(engines["big"][0])) == 3 and len(completions(engines["small"][0])) == 1
+
+
+def test_a_replica_whose_health_fails_leaves_the_pool_and_comes_back(guard, engines):
+    big = engines["big"][0]
+    big.healthy = False
+    guard.wait_for(lambda: guard.sample(IN_POOL, {"replica": big.url}) == 0)
+    status, _h, _d = request(guard.url, "POST", "/v1/completions", ids(500))
+    assert status == 200 and completions(big) == [] and completions(engines["small"][0]) == [500]
+    status, _h, _data = request(guard.url, "GET", "/v1/models")  # other paths: the first healthy replica
+    assert status == 200 and ("GET", "/v1/models", b"") in engines["small"][0].seen
+    result = {}
+    waiting = threading.Thread(target=lambda: result.update(answer=request(guard.url, "POST", "/v1/completions",
+                                                                          ids(1500))), daemon=True)
+    waiting.start()  # fits no replica in the pool: it waits for one
+    guard.wait_for(lambda: guard.sample("memtel_guard_queue_depth") == 1)
+    big.healthy = True
+    waiting.join(5)
+    assert result["answer"][0] == 200 and completions(big) == [1500]
+    assert guard.sample(IN_POOL, {"replica": big.url}) == 1
+
+
+def test_a_replica_whose_hooks_are_stale_leaves_the_pool(guard, engines):
+    big, hook = engines["big"]
+    hook.down = True
+    guard.wait_for(lambda: guard.sample(IN_POOL, {"replica": big.url}) == 0)  # after --stale-s (0.5 s)
+    assert guard.sample("memtel_guard_replica_limit_tokens", {"replica": big.url}) is None
+    status, _h, _d = request(guard.url, "POST", "/v1/completions", ids(300))
+    assert status == 200 and completions(big) == [] and completions(engines["small"][0]) == [300]
+    hook.down = False
+    guard.wait_for(lambda: guard.sample(IN_POOL, {"replica": big.url}) == 1)
+
+
+def test_with_no_replica_healthy_a_prompt_waits_then_gets_503(guard, engines):
+    for upstream, _hook in engines.values():
+        upstream.healthy = False
+    guard.wait_for(lambda: all(guard.sample(IN_POOL, {"replica": r.name}) == 0 for r in guard.proxy.replicas))
+    guard.proxy.queue.queue_s = 0.3  # this test's wait only
+    try:
+        started = time.monotonic()
+        status, headers, data = request(guard.url, "POST", "/v1/completions", ids(100))
+    finally:
+        guard.proxy.queue.queue_s = 3.0
+    assert status == 503 and time.monotonic() - started >= 0.3 and headers["x-should-retry"] == "true"
+    error = json.loads(data)["error"]
+    assert error["reason"] == "no_replica" and "healthy" in error["message"]
+    assert all(completions(up) == [] for up, _h in engines.values())
+
+
+YAML_BAD = [
+    ("replicas: [", "not valid YAML"),
+    ("- upstream: http://a:1\n", "expected `replicas:`"),
+    ("replicas: []\n", "`replicas` is"),
+    ("replicas:\n  - upstream: http://a:1\n", "expected exactly the keys upstream and hooks"),
+    ("replicas:\n  - upstream: http://a:1\n    hooks: http://a:2\n", "hooks must be a list"),
+    ("replicas:\n  - upstream: ftp://a:1\n    hooks: [http://a:2]\n", "base URL"),
+    ("replicas:\n  - upstream: http://a:1\n    hooks: [nope]\n", "not a URL"),
+    ("replicas:\n  - {upstream: http://a:1, hooks: [http://a:2]}\n  - {upstream: http://a:1, hooks: [http://a:3]}\n",
+     "given twice"),
+]
+
+
+@pytest.mark.parametrize(("text", "words"), YAML_BAD)
+def test_a_bad_replicas_file_is_one_line_and_exit_2(tmp_path, text, words):
+    path = tmp_path / "replicas.yaml"
+    path.write_text(text)
+    done = call_main(["guard", "--listen", "127.0.0.1:0", "--replicas", str(path)])
+    assert done.returncode == 2 and words in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--replica", "http://a:1"], "expected URL=HOOK"),
+    (["--replica", "http://a:1="], "expected URL=HOOK"),
+    (["--replica", "http://a:1/v1=http://a:2"], "base URL"),
+    (["--replica", "http://a:1=http://a:2,,http://a:3"], "--replica"),
+    (["--replica", "http://a:1=http://a:2", "--replica", "http://a:1=http://a:3"], "given twice"),
+    (["--replica", "http://a:1=http://a:2", "--upstream", "http://b:1", "--hooks", "http://b:2"], "one form"),
+    (["--replica", "http://a:1=http://a:2", "--replicas", "x.yaml"], "flags or a file"),
+    (["--replicas", "/nonexistent/replicas.yaml"], "cannot read"),
+    (["--upstream", "http://a:1"], "--hooks"),
+    (["--upstream", "http://a:1", "--hooks", "http://a:2", "--queue-s", "-1"], "--queue-s"),
+    (["--upstream", "http://a:1", "--hooks", "http://a:2", "--max-queued", "0"], "--max-queued"),
+])
+def test_bad_replica_flags_are_one_line_and_exit_2(args, words):
+    done = call_main(["guard", "--listen", "127.0.0.1:0", *args])
+    assert done.returncode == 2 and words in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
