@@ -26,6 +26,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import cast
 
 import h11
 
@@ -75,8 +76,8 @@ class Channel(asyncio.Protocol):
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport: uvloop's is not a subclass of asyncio.Transport, so this is a cast, not a check.
+        self.transport = cast(asyncio.Transport, transport)
         if self.on_connect is not None:
             self.on_connect(self)
 

@@ -227,6 +227,7 @@ class GuardProxy:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
         for replica in self.replicas:
             replica.pool.close()
+        await asyncio.sleep(0)  # the closed transports' connection_lost (which closes their sockets) runs now
 
     @property
     def open_connections(self) -> int:

@@ -68,17 +68,26 @@ class Call(threading.Thread):
         self.url, self.body = url, body
         self.started = time.monotonic()
         self.result: tuple[int, dict, bytes] | None = None
+        self.error: OSError | None = None
         self.answered_at = 0.0
         self.start()
 
     def run(self) -> None:
-        self.result = request(self.url, "POST", "/v1/completions", self.body)
+        try:
+            self.result = request(self.url, "POST", "/v1/completions", self.body)
+        except OSError as exc:  # kept for outcome(): a failed test must not leave a thread exception to the next
+            self.error = exc
         self.answered_at = time.monotonic()
 
     def outcome(self, timeout: float = 10.0) -> tuple[int, dict, bytes]:
         self.join(timeout)
-        assert self.result is not None, "no answer"
+        assert self.result is not None, f"no answer: {self.error!r}"
         return self.result
+
+
+def past_pass_s(guard, queued_at: float) -> None:
+    """Sleep until a waiter queued no later than `queued_at` has waited past --queue-s's pass window."""
+    time.sleep(max(0.0, queued_at + guard.proxy.queue.pass_s + 0.05 - time.monotonic()))
 
 
 def forwarded(upstream, tag: int) -> bool:
@@ -172,15 +181,16 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once(make_guard, 
 
 
 def test_order_short_ones_pass_a_young_head_but_not_one_that_waited_its_turn(make_guard, upstream):
-    guard = make_guard(queue_s=1.2)  # a later one may pass the head for its first 0.3 s
+    guard = make_guard(queue_s=3.0)  # a later one may pass the head for its first 0.75 s
     upstream.hold = threading.Event()
     running = Call(guard.url, ids(600, tag=1))  # holds 600 of 1000
     guard.wait_for(lambda: guard.tracker.in_prefill_tokens == 600)
     head = Call(guard.url, ids(900, tag=2))  # fits the rank, not beside the 600: waits
     guard.wait_for(lambda: guard.sample(DEPTH) == 1)
+    queued_at = time.monotonic()
     short = Call(guard.url, ids(100, tag=3))  # fits now: passes the young head
     guard.wait_for(lambda: forwarded(upstream, 3))
-    time.sleep(max(0.0, head.started + 0.35 - time.monotonic()))
+    past_pass_s(guard, queued_at)
     late = Call(guard.url, ids(200, tag=4))  # fits now, but the head has waited its turn: it goes behind
     guard.wait_for(lambda: guard.sample(DEPTH) == 2)
     time.sleep(0.1)
@@ -194,15 +204,16 @@ def test_order_short_ones_pass_a_young_head_but_not_one_that_waited_its_turn(mak
 
 
 def test_order_a_queued_short_one_does_not_pass_a_head_that_waited_its_turn(make_guard, upstream):
-    guard = make_guard(queue_s=1.2)
+    guard = make_guard(queue_s=3.0)
     upstream.hold = threading.Event()
     running = Call(guard.url, ids(600, tag=1))  # holds 600 of 1000
     guard.wait_for(lambda: guard.tracker.in_prefill_tokens == 600)
     head = Call(guard.url, ids(800, tag=2))  # fits the rank alone: waits for the holds to drain
     guard.wait_for(lambda: guard.sample(DEPTH) == 1)
+    queued_at = time.monotonic()
     short = Call(guard.url, ids(500, tag=3))  # not beside the 600 either: waits behind the head
     guard.wait_for(lambda: guard.sample(DEPTH) == 2)
-    time.sleep(max(0.0, head.started + 0.35 - time.monotonic()))
+    past_pass_s(guard, queued_at)
     STATE["limit"] = 1150  # room for the short one (550), not the head; the head has waited its turn
     guard.wait_for(lambda: guard.tracker.published.rank_tokens == 1150)
     time.sleep(0.15)
@@ -215,10 +226,10 @@ def test_order_a_queued_short_one_does_not_pass_a_head_that_waited_its_turn(make
 
 
 def test_a_head_that_would_not_fit_even_at_rest_blocks_nobody(make_guard, upstream):
-    guard = make_guard(queue_s=1.2)
+    guard = make_guard(queue_s=3.0)
     head = Call(guard.url, ids(1500, tag=1))  # over the rank's 1000 even with nothing in prefill
     guard.wait_for(lambda: guard.sample(DEPTH) == 1)
-    time.sleep(max(0.0, head.started + 0.35 - time.monotonic()))
+    past_pass_s(guard, time.monotonic())
     status, _h, _d = request(guard.url, "POST", "/v1/completions", ids(100, tag=2))
     assert status == 200 and head.result is None  # draining the holds cannot make the head fit: no one waits on it
     STATE["limit"] = 1500
