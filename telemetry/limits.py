@@ -43,6 +43,7 @@ MAX_REPLAY_ARMS = 16
 MAX_FORECAST_TOKEN_COUNTS = 64  # `forecast --tokens N,N,...`
 MAX_LAB_RANKS = 64
 MAX_TIME_SCALE = 1_000.0
+MAX_TENANT_S = 7 * 86_400.0  # `lab serve --tenant` START_S and DURATION_S, `POST /lab/tenant` seconds
 
 # --- files of the allocator lab ---------------------------------------------------------------------
 MAX_OP_FILE_BYTES = 256 * MIB  # `memtel allocsim FILE` (and stdin); the H200 truth file is 0.4 MB

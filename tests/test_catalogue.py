@@ -8,7 +8,7 @@ golden files name, must agree with it.
 - a metric name typed in code outside the catalogue: any `memtel_...` or `vllm:...` in a string of telemetry/,
   harness/ or benchmarks/ (docstrings aside), whether it builds a family, reads one back (the readers look series
   up by entry: telemetry/scrape) or names one in a message; only `_NOT_METRICS` and `fields.OTHER_NAMES`, which
-  are no metric, and `_TYPED_FOR_NOW`, each with its reason, may be typed;
+  are no metric, each with its reason, may be typed;
 - a memtel series named in docs/*.md, dashboards/README.md, a Prometheus rule or rule test
   (dashboards/prometheus/), a Grafana dashboard or a golden file (tests/fixtures/) that nothing produces
   (recording-rule outputs count as produced);
@@ -21,8 +21,10 @@ import ast
 import dataclasses
 import json
 import re
+import time
 import types
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -30,10 +32,14 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from telemetry.catalogue import FAMILIES, Family, fields, sample_names
 from telemetry.catalogue.vllm import VLLM_FAMILIES
 from tests.hook.test_golden_metrics import golden_exporter  # noqa: F401  (a fixture: the hook's real exporter)
+
+if TYPE_CHECKING:
+    from telemetry.flight.recorder import FlightRecorder
 
 ROOT = Path(__file__).parents[1]
 VLLM_SERIES = {name for entry in VLLM_FAMILIES.values() for name in entry.sample_names}
@@ -55,21 +61,13 @@ _NOT_METRICS = {
     "memtel_same_sources": "an arm of benchmarks/daemon_bench.py",
     "memtel_hooks": "a key of a LiteLLM deployment's litellm_params (telemetry/litellm)",
     "memtel_deployment": "a key of a LiteLLM request's metadata (telemetry/litellm)",
-}
-# Metric names still typed in code, each with why (a file of another change in flight): to move to entries.
-_HOOK_IN_FLIGHT = "a log line in telemetry/hook, which another change edits now; to name its entry next"
-_TYPED_FOR_NOW: dict[tuple[str, str], str] = {
-    ("telemetry/hook/forecast/runner.py", "memtel_forecast_failures_total"): _HOOK_IN_FLIGHT,
-    ("telemetry/hook/forecast/runner.py", "memtel_forecast_max_prefill_tokens"): _HOOK_IN_FLIGHT,
-    ("telemetry/hook/forecast/snapshot_native/reader.py", "memtel_forecast_snapshot_reader_info"): _HOOK_IN_FLIGHT,
-    ("telemetry/hook/allocator.py", "memtel_hook_allocator_reader_info"): _HOOK_IN_FLIGHT,
-    ("telemetry/hook/log_writer.py", "memtel_hook_log_dropped_records_total"): _HOOK_IN_FLIGHT,
-    ("telemetry/hook/session.py", "memtel_hook_unresolved_targets"): _HOOK_IN_FLIGHT,
+    "memtel_litellm_receive": "the name of a context variable in telemetry/litellm/client.py",
 }
 
 
 # -- what is produced -------------------------------------------------------------------------------
-def _daemon_families(tmp_path: Path) -> list[Metric]:
+def _daemon_sources() -> dict[str, Collector]:
+    """The daemon's collectors on fixtures, each exporting every family it can."""
     from telemetry.daemon.collectors.buddyinfo import BuddyinfoCollector
     from telemetry.daemon.collectors.headroom import HeadroomCollector
     from telemetry.daemon.collectors.kmsg import kmsg_families
@@ -79,7 +77,7 @@ def _daemon_families(tmp_path: Path) -> list[Metric]:
     from telemetry.daemon.collectors.processes import ProcessCollector
     from telemetry.daemon.collectors.vmstat import VmstatCollector
     from telemetry.daemon.kmsg.counts import CountsSnapshot
-    from telemetry.daemon.registry import DaemonCollectors
+    from telemetry.procfs.headroom import FaultOutcomes
 
     meminfo, vmstat, buddyinfo = (str(PROC / f"{n}.x86_64-debian12-24g") for n in ("meminfo", "vmstat", "buddyinfo"))
     snapshot = NvmlSnapshot.from_dict(json.loads((FIXTURES / "nvml" / "hgx__h200__580.159.04.json").read_text()))
@@ -87,23 +85,33 @@ def _daemon_families(tmp_path: Path) -> list[Metric]:
     counts = CountsSnapshot(lines=dict.fromkeys(kinds, 2), events=dict.fromkeys(kinds, 1),
                             last_seen_wall=dict.fromkeys(kinds, 1.0e9))
 
-    class Kmsg:
+    class Kmsg(Collector):
         def collect(self) -> list[Metric]:
             return kmsg_families(counts, ("uvm",))
 
-    sources = {
+    # Huge-page faults over the last window, in a THP mode whose fallbacks tried compaction (the fixture's counters
+    # are 0, and the mode is this host's to say): the faults' success ratio is exported too.
+    window = types.SimpleNamespace(add=lambda _vmstat: FaultOutcomes(90, 10, 300.0))
+    headroom = HeadroomCollector(meminfo, buddyinfo, vmstat_path=vmstat, window=window)  # type: ignore[arg-type]
+    headroom.faults_are_evidence = True
+    return {
         "meminfo": MeminfoCollector(meminfo), "vmstat": VmstatCollector(vmstat),
         "pressure": PressureCollector(str(PROC / "pressure-memory.x86_64-debian12-24g")),
         "buddyinfo": BuddyinfoCollector(buddyinfo),
-        "headroom": HeadroomCollector(meminfo, buddyinfo, vmstat_path=vmstat),
+        "headroom": headroom,
         "nvml": NvmlCollector(types.SimpleNamespace(read=lambda: snapshot)),  # type: ignore[arg-type]
         "processes": ProcessCollector(), "kmsg": Kmsg(),
     }
-    wrapper = DaemonCollectors(sources)
-    return [*wrapper.collect(), *_flight_families(tmp_path), *_exporter_families()]
 
 
-def _flight_families(tmp_path: Path) -> list[Metric]:
+def _daemon_families(tmp_path: Path) -> list[Metric]:
+    from telemetry.daemon.registry import DaemonCollectors
+
+    wrapper = DaemonCollectors(_daemon_sources())
+    return [*wrapper.collect(), *_flight_recorder(tmp_path).collect(), *_exporter_families()]
+
+
+def _flight_recorder(tmp_path: Path) -> FlightRecorder:
     from telemetry.flight.recorder import BootSummary, FlightRecorder
 
     recorder = FlightRecorder(tmp_path / "flight", "boot")
@@ -111,7 +119,7 @@ def _flight_families(tmp_path: Path) -> list[Metric]:
     recorder.recording, recorder.last_record_time, recorder.last_write_seconds = True, 1.0e9, 0.001
     recorder.last_record_bytes = 900
     recorder.previous = BootSummary("previous", 10, 1.0e9, 1.0e9)
-    return list(recorder.collect())
+    return recorder
 
 
 def _exporter_families() -> list[Metric]:
@@ -225,8 +233,6 @@ def _typed_problems(typed: dict[str, list[str]]) -> list[str]:
         if name in _NOT_METRICS or name in fields.OTHER_NAMES:
             continue
         for place in sorted(set(places)):
-            if (place.split(":")[0], name) in _TYPED_FOR_NOW:
-                continue
             if name in FAMILIES or name in VLLM_FAMILIES or name in sample_names() or name in VLLM_SERIES:
                 problems.append(f"{place} types {name} (a catalogue entry's name): name it through its entry "
                                 "(`ENTRY.series`; telemetry/scrape reads series by entry)")
@@ -426,3 +432,60 @@ def test_family_lookup_by_family_or_series_name(name):
     assert family(name).series == "memtel_hook_calls_total"
     with pytest.raises(KeyError):
         family("memtel_hook_call")
+
+
+# -- describe(): a collector names its families from the catalogue ----------------------------------------
+def _collectors(tmp_path: Path) -> dict[str, Collector]:
+    """memtel's custom collectors, each in a state where it exports every family it can (fixtures, no server)."""
+    from telemetry.daemon.registry import DaemonCollectors
+    from telemetry.exporter.metrics import ExporterCollector
+    from telemetry.guard.limit import LimitTracker, RankFit
+    from telemetry.guard.metrics import GuardCollector, GuardMetrics
+    from telemetry.hook.engine import EngineCollector, EngineMemory, EngineTracker, ProcessNow
+    from telemetry.hook.state import HookState
+    from telemetry.scrape import parse_url
+
+    trackers = [LimitTracker([parse_url(f"http://127.0.0.1:{port}")], stale_s=60) for port in (1, 2)]
+    for tracker in trackers:   # a fresh forecast from each: a limit in force on both replicas
+        tracker.record(tracker.hooks[0], [RankFit("0", "n", 1000, 1e9, time.time(), (), 2000)], None)
+        tracker.limit()
+        tracker.published_at_best = tracker.at_best()   # as the scrape loop does: the at-best limit is known
+    replicas = [types.SimpleNamespace(name=f"r{n}", tracker=t, healthy=True) for n, t in enumerate(trackers)]
+    server = types.SimpleNamespace(counts=dict, open_connections=1, max_connections=8)
+
+    class Engine(EngineCollector):   # a CUDA process, which this machine has not: what it holds, read
+        def now(self) -> ProcessNow:
+            return ProcessNow(4 << 30, 3 << 30, 60 << 30, 80 << 30, 1 << 30)
+
+    engine = EngineTracker()
+    engine.memory = EngineMemory(weights_bytes=1 << 30, kv_cache_bytes=2 << 30, cuda_graph_pool_bytes=1 << 20)
+    engine.starting, engine.start_plan_bytes = True, 50 << 30
+    return {
+        "daemon": DaemonCollectors({**_daemon_sources(), "flight": _flight_recorder(tmp_path)}),
+        "exporter": ExporterCollector(server),  # type: ignore[arg-type]
+        "guard": GuardCollector(GuardMetrics(), trackers[0], replicas),  # type: ignore[arg-type]
+        "engine": Engine(engine, HookState(node="n", targets={})),
+    }
+
+
+def test_describe_names_exactly_what_collect_yields(tmp_path):
+    """describe() (from the catalogue's entries) and collect() cannot drift apart: each collector, exporting all it
+    can, names exactly the families it describes."""
+    drift = {}
+    for name, collector in _collectors(tmp_path).items():
+        described, collected = ({f.name for f in collector.describe()}, {f.name for f in collector.collect()})
+        if described != collected:
+            drift[name] = {"described only": sorted(described - collected),
+                           "collected only": sorted(collected - described)}
+    assert drift == {}
+
+
+def test_a_second_collector_of_the_same_families_is_refused(tmp_path):
+    """describe() is what a registry checks names with: registering a second collector of one family fails (an
+    empty describe() let it through, and /metrics then repeated the family)."""
+    first, second = _collectors(tmp_path), _collectors(tmp_path)
+    for name in first:
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(first[name])
+        with pytest.raises(ValueError, match="Duplicated timeseries"):
+            registry.register(second[name])

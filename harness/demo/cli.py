@@ -74,7 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     guard = parser.add_argument_group("the guard (memtel demo --guard: harness/demo/guarded.py)")
     guard.add_argument("--guard", action="store_true",
                        help="instead of the A/B ladder: a small lab node takes 32k, 100k and 1M-token prompts "
-                            "without and with `memtel guard`, and the report says what each did")
+                            "without and with `memtel guard`, then a burst of long prompts while another tenant holds "
+                            "part of its memory, without and with the guard's queue; the report says what each did")
     guard.add_argument("--capacity-gb", type=bounded_float(0, limits.MAX_CAPACITY_GIB, above_minimum=True),
                        default=None, help="--guard: the lab node's memory in GiB (default 1.5: 100k fits, 1M not)")
     advanced = parser.add_argument_group("advanced (shapes of the lab servers and the ladder)")

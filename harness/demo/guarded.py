@@ -1,18 +1,26 @@
-"""`memtel demo --guard`: a small lab node takes 32k and 100k prompts, then a 1M-token one; without and with the guard.
+"""`memtel demo --guard`: a small lab node takes 32k and 100k prompts, then a 1M-token one; without and with the guard;
+then a burst of long prompts while another tenant holds part of the node's memory, without and with the guard's queue.
 
     memtel demo --guard [--out DIR] [--capacity-gb X]
 
-Two phases on a fresh lab node each (`memtel lab serve --capacity-gb X`, sim allocator, one rank, the
-hook's live forecast on; the profile in configs/ladders/guarded-small-node.yaml):
+Lab nodes of X GiB (`memtel lab serve --capacity-gb X`, sim allocator, one rank, the hook's live forecast on; the
+profile in configs/ladders/guarded-small-node.yaml):
 
-1. unguarded: the prompts go straight to the node. The 1M-token prefill runs out of the node's memory:
+1. unguarded: the prompts go straight to a fresh node. The 1M-token prefill runs out of the node's memory:
    the request fails, the engine dies, and the next request finds no server;
-2. guarded: the same prompts go through `memtel guard`, which reads the rank's
-   memtel_forecast_max_prefill_tokens. The 1M-token request gets its 503 in milliseconds, the node never
-   sees it, and the next request is served.
+2. guarded: the same prompts go through `memtel guard` to a fresh node; the guard reads the rank's
+   memtel_forecast_max_prefill_tokens and its at-best. The 1M-token request gets a permanent 400 in
+   milliseconds (more than the rank could take with its cache released), the node never sees it, and the next
+   request is served;
+3. burst unguarded: another tenant (a second engine starting, a job: `POST /lab/tenant`) takes part of a fresh
+   node's memory, and two prompts of 0.6 x the node's limit at rest (each fits alone once the tenant is
+   gone) go straight to it at once: the first prefill runs out of memory, the engine dies, the other fails;
+4. burst guarded (at the same time as 3): the same on another fresh node, through a guard with --queue-s: none
+   is forwarded while the tenant holds its memory; once it gives it back they are admitted one at a time (two
+   do not fit together: the guard's in-prefill holds) and both complete, later.
 
-It writes guard-report.md (both phases, with the numbers) and guard-summary.json into the run directory,
-and prints the gist. Every process it starts is stopped on the way out, also on Ctrl-C.
+It writes guard-report.md (every phase, with the numbers) and guard-summary.json into the run directory
+(guard_report.py), and prints the gist. Every process it starts is stopped on the way out, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -22,18 +30,26 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.demo.guard_report import GIB, Burst, Outcome, Phase, seconds_text, shown_as_expected, verdict, write_report
 from harness.ports import free_port_block
 from harness.processes import die_with_parent, wait_healthy
-from telemetry.catalogue.fields import GUARD_WOULD_NOT_FIT
-from telemetry.catalogue.metrics import FORECAST_MAX_PREFILL_TOKENS, GUARD_LIMIT_TOKENS
+from telemetry.catalogue import vllm
+from telemetry.catalogue.metrics import (
+    FORECAST_MAX_PREFILL_TOKENS,
+    GUARD_IN_PREFILL_TOKENS,
+    GUARD_LIMIT_TOKENS,
+    GUARD_QUEUE_DEPTH,
+    GUARD_QUEUE_OUTCOMES,
+    GUARD_REJECTED,
+)
 from telemetry.errors import RunError
-from telemetry.scrape import METRICS_PATH, Endpoint, FetchError, read_metrics
+from telemetry.scrape import METRICS_PATH, Endpoint, Exposition, FetchError, read_metrics
 
 DEFAULT_CAPACITY_GB = 1.5
 # The node's shape: 4 indexer layers and a logits budget too large to split a launch, so the stock width's
@@ -44,38 +60,11 @@ NODE_ARGS = ("--arm", "stock", "--ranks", "1", "--allocator", "sim", "--layers",
 FORECAST_ENV = {"MEMTEL_FORECAST_TOKENS": "32768,100000,1048576", "MEMTEL_FORECAST_INTERVAL_S": "1"}
 PROMPTS = (("32k", 32_768), ("100k", 100_000), ("1M", 1_048_576), ("next 32k", 32_768))
 MAX_TOKENS = 4
-REPORT_FILE = "guard-report.md"
-SUMMARY_FILE = "guard-summary.json"
-
-
-@dataclass
-class Outcome:
-    """One request of a phase: what came back and how long it took."""
-
-    label: str
-    tokens: int
-    status: int | None  # None: no HTTP answer (connection refused or broken)
-    seconds: float
-    error_type: str | None = None
-    message: str | None = None
-    fields: dict[str, Any] = field(default_factory=dict)  # a guard refusal's own fields
-
-    def answer(self) -> str:
-        if self.status is None:
-            return f"no answer: {self.message}"
-        if self.status == 200:
-            return "200 OK"
-        return f"{self.status} {self.error_type or ''}".strip()
-
-
-@dataclass
-class Phase:
-    name: str
-    outcomes: list[Outcome] = field(default_factory=list)
-    node_alive_after: bool = True
-    node_log_lines: list[str] = field(default_factory=list)  # the node's out-of-memory lines, if any
-    node_health_after: int | None = None  # the node's /health status after the last request (None: no answer)
-    limit_tokens: int | None = None  # the guard's limit before the prompts (guarded phase)
+# The burst while another tenant holds memory (phases 3 and 4).
+BURST_PROMPTS = 2
+BURST_FRACTION = 0.6  # of the node's limit at rest: each prompt fits alone, two do not fit beside each other
+TENANT_FRACTION = 0.6  # of the node's memory, taken by the other tenant: then none of the burst fits
+QUEUE_S = 60.0  # the second guard's --queue-s: far longer than the tenant holds its memory
 
 
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -146,25 +135,42 @@ class Process:
         self.process.wait()
 
 
-def start_node(port: int, memtel_port: int, capacity_gb: float, log_path: Path, time_scale: float = 0.01) -> Process:
+def launch_node(port: int, memtel_port: int, capacity_gb: float, log_path: Path, time_scale: float = 0.01) -> Process:
+    """A lab node starting (wait_node waits for it)."""
     command = [sys.executable, "-m", "telemetry", "lab", "serve", *NODE_ARGS, "--capacity-gb", repr(capacity_gb),
                "--time-scale", repr(time_scale), "--host", "127.0.0.1", "--port", str(port), "--memtel-port",
                str(memtel_port), "--model-name", "lab"]
-    node = Process(command, log_path, FORECAST_ENV)
-    wait_healthy(f"http://127.0.0.1:{port}/health", node.process, timeout_s=120, log_path=log_path,
+    return Process(command, log_path, FORECAST_ENV)
+
+
+def wait_node(node: Process, port: int) -> Process:
+    wait_healthy(f"http://127.0.0.1:{port}/health", node.process, timeout_s=120, log_path=node.log_path,
                  what="the lab node", error=RunError, interval_s=0.2)
     return node
 
 
-def start_guard(port: int, upstream_port: int, hooks: list[str], metrics_port: int, log_path: Path,
-                *extra: str) -> Process:
+def start_node(port: int, memtel_port: int, capacity_gb: float, log_path: Path, time_scale: float = 0.01) -> Process:
+    return wait_node(launch_node(port, memtel_port, capacity_gb, log_path, time_scale), port)
+
+
+def launch_guard(port: int, upstream_port: int, hooks: list[str], metrics_port: int, log_path: Path,
+                 *extra: str) -> Process:
+    """A `memtel guard` starting (wait_guard waits for it)."""
     command = [sys.executable, "-m", "telemetry", "guard", "--upstream", f"http://127.0.0.1:{upstream_port}",
                "--listen", f"127.0.0.1:{port}", "--hooks", ",".join(hooks), "--metrics-listen",
                f"127.0.0.1:{metrics_port}", *extra]
-    guard = Process(command, log_path)
-    wait_healthy(f"http://127.0.0.1:{metrics_port}/metrics", guard.process, timeout_s=60, log_path=log_path,
+    return Process(command, log_path)
+
+
+def wait_guard(guard: Process, metrics_port: int) -> Process:
+    wait_healthy(f"http://127.0.0.1:{metrics_port}/metrics", guard.process, timeout_s=60, log_path=guard.log_path,
                  what="the guard", error=RunError, interval_s=0.1)
     return guard
+
+
+def start_guard(port: int, upstream_port: int, hooks: list[str], metrics_port: int, log_path: Path,
+                *extra: str) -> Process:
+    return wait_guard(launch_guard(port, upstream_port, hooks, metrics_port, log_path, *extra), metrics_port)
 
 
 MAX_GUARD_METRICS_BYTES = 1 << 20  # the guard's own /metrics is a few kB
@@ -210,7 +216,7 @@ def run_phase(name: str, base_url: str, node: Process, node_log: Path, node_url:
         outcome = post_completion(base_url, tokens, seed)
         outcome.label = label
         phase.outcomes.append(outcome)
-        print(f"  {name}: {label:>8} ({tokens:>9,} tokens): {outcome.answer()} in {_seconds(outcome.seconds)}",
+        print(f"  {name}: {label:>8} ({tokens:>9,} tokens): {outcome.answer()} in {seconds_text(outcome.seconds)}",
               flush=True)
     phase.node_health_after = health_status(node_url)
     phase.node_alive_after = node.alive()
@@ -230,131 +236,195 @@ def health_status(node_url: str) -> int | None:
     return status
 
 
-def run_guarded_demo(out: Path, capacity_gb: float = DEFAULT_CAPACITY_GB) -> tuple[Phase, Phase]:
+def post_json(url: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=10)
+    try:
+        conn.request("POST", path, body=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+    except OSError as exc:
+        raise RunError(f"POST {url}{path}: {exc.strerror or type(exc).__name__}") from None
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise RunError(f"POST {url}{path}: {response.status} {data[:300]!r}")
+    answer: dict[str, Any] = json.loads(data)
+    return answer
+
+
+def tenant_holds(node_url: str, gib: float) -> int:
+    """Another tenant of the node holds `gib` GiB from now (0: gives them back); the bytes it holds."""
+    return int(post_json(node_url, "/lab/tenant", {"gib": gib})["tenant_bytes"])
+
+
+def scrape(port: int, *entries: Any) -> Exposition:
+    try:
+        return read_metrics(Endpoint("http", "127.0.0.1", port, METRICS_PATH), time.monotonic() + 5,
+                            MAX_GUARD_METRICS_BYTES, only=entries)
+    except FetchError as exc:
+        raise RunError(f"scraping 127.0.0.1:{port}: {exc}") from None
+
+
+def poll(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RunError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(0.05)
+
+
+def send_burst(url: str, tokens: int, seed: int) -> tuple[list[threading.Thread], list[Outcome]]:
+    """BURST_PROMPTS prompts of `tokens` at once, each from its own thread; the outcomes fill in as they end."""
+    outcomes = [Outcome(f"#{i + 1}", tokens, None, 0.0, message="not sent") for i in range(BURST_PROMPTS)]
+
+    def send(i: int) -> None:
+        outcome = post_completion(url, tokens, seed + i)
+        outcome.label = outcomes[i].label
+        outcomes[i] = outcome
+
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(BURST_PROMPTS)]
+    for thread in threads:
+        thread.start()
+    return threads, outcomes
+
+
+def end_burst(phase: Phase, threads: list[threading.Thread], outcomes: list[Outcome], node: Process,
+              node_log: Path, node_url: str, timeout_s: float = 300.0) -> Phase:
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0))
+    phase.outcomes = outcomes
+    for outcome in outcomes:
+        print(f"  {phase.name}: {outcome.label} ({outcome.tokens:,} tokens): {outcome.answer()} in "
+              f"{seconds_text(outcome.seconds)}", flush=True)
+    phase.node_health_after = health_status(node_url)
+    phase.node_alive_after = node.alive()
+    phase.node_log_lines = out_of_memory_lines(node_log)
+    return phase
+
+
+def run_burst_unguarded(node: Process, node_url: str, tokens: int, capacity_gb: float) -> Phase:
+    """Phase 3: the tenant takes its part of a fresh node, the burst goes straight to the node."""
+    phase = Phase("burst unguarded", burst=Burst(tokens, BURST_FRACTION))
+    burst = phase.burst
+    assert burst is not None
+    burst.tenant_bytes = tenant_holds(node_url, TENANT_FRACTION * capacity_gb)
+    print(f"  {phase.name}: another tenant holds {burst.tenant_bytes / GIB:.2f} of the node's {capacity_gb:g} GiB; "
+          f"{BURST_PROMPTS} prompts of {tokens:,} tokens at once, straight to the node", flush=True)
+    threads, outcomes = send_burst(node_url, tokens, seed=20)
+    return end_burst(phase, threads, outcomes, node, node.log_path, node_url)
+
+
+def run_burst_guarded(node: Process, node_port: int, guard_port: int, metrics_port: int, tokens: int,
+                      capacity_gb: float) -> Phase:
+    """Phase 4: the tenant takes its part of a fresh node; the burst goes through the queueing guard, which
+    forwards none while the tenant holds its memory; then the tenant gives it back and they are admitted."""
+    node_url = f"http://127.0.0.1:{node_port}"
+    phase = Phase("burst guarded", burst=Burst(tokens, BURST_FRACTION, QUEUE_S))
+    burst = phase.burst
+    assert burst is not None
+    taken = time.monotonic()
+    burst.tenant_bytes = tenant_holds(node_url, TENANT_FRACTION * capacity_gb)
+    poll(lambda: (guard_limit(metrics_port) or tokens) < tokens, 60, "the guard's limit to fall below the burst's "
+         "prompts while the other tenant holds its memory")
+    burst.limit_with_tenant = guard_limit(metrics_port)
+    print(f"  {phase.name}: another tenant holds {burst.tenant_bytes / GIB:.2f} of the node's {capacity_gb:g} GiB; "
+          f"the guard's limit is {burst.limit_with_tenant or 0:,} tokens; {BURST_PROMPTS} prompts of {tokens:,} "
+          f"tokens at once, through the guard (--queue-s {QUEUE_S:g})", flush=True)
+    before = scrape(node_port, vllm.PROMPT_TOKENS).total(vllm.PROMPT_TOKENS) or 0.0
+    threads, outcomes = send_burst(f"http://127.0.0.1:{guard_port}", tokens, seed=30)
+
+    def queue_depth() -> int:
+        return int(scrape(metrics_port, GUARD_QUEUE_DEPTH).first(GUARD_QUEUE_DEPTH) or 0)
+
+    poll(lambda: queue_depth() >= BURST_PROMPTS or not any(t.is_alive() for t in threads), 60,
+         "the burst to arrive in the guard's queue")
+    burst.queued = queue_depth()
+    burst.forwarded_while_held = int((scrape(node_port, vllm.PROMPT_TOKENS).total(vllm.PROMPT_TOKENS) or 0) - before)
+    tenant_holds(node_url, 0)
+    burst.tenant_held_s = time.monotonic() - taken
+    print(f"  {phase.name}: {burst.queued} waiting in the guard's queue, {burst.forwarded_while_held:,} tokens "
+          f"forwarded; the tenant gives its memory back after {burst.tenant_held_s:.1f} s", flush=True)
+    most = 0
+    while any(thread.is_alive() for thread in threads):
+        most = max(most, int(scrape(metrics_port, GUARD_IN_PREFILL_TOKENS).first(GUARD_IN_PREFILL_TOKENS) or 0))
+        time.sleep(0.05)
+    burst.max_in_prefill_tokens = most
+    after = scrape(metrics_port, GUARD_QUEUE_OUTCOMES, GUARD_REJECTED)
+    burst.queue_admitted = int(after.total(GUARD_QUEUE_OUTCOMES, outcome="admitted") or 0)
+    burst.guard_rejected = int(after.total(GUARD_REJECTED) or 0)
+    return end_burst(phase, threads, outcomes, node, node.log_path, node_url)
+
+
+def run_guarded_demo(out: Path, capacity_gb: float = DEFAULT_CAPACITY_GB) -> list[Phase]:
     out.mkdir(parents=True, exist_ok=True)
-    base = free_port_block(5)
+    base = free_port_block(11)
     node_port, hook_port, guard_port, metrics_port = base, base + 1, base + 3, base + 4
+    # The burst phases' fresh nodes (a node's cache after phases 1 and 2 would leave the tenant little to take) and
+    # the queueing guard start with the first node, so they are up when their phases come.
+    burst_ports = {"burst unguarded": (base + 5, base + 6), "burst guarded": (base + 7, base + 8)}
+    queue_port, queue_metrics = base + 9, base + 10
     logs = out / "logs"
-    print(f"memtel demo --guard: a lab node of {capacity_gb:g} GiB; run directory {out}", flush=True)
-    phases = []
-    for name in ("unguarded", "guarded"):
-        node_log = logs / f"node-{name}.log"
-        node = start_node(node_port, hook_port, capacity_gb, node_log)
-        guard = None
-        try:
-            url = f"http://127.0.0.1:{node_port}"
-            limit = None
-            if name == "guarded":
-                guard = start_guard(guard_port, node_port, [f"http://127.0.0.1:{hook_port}"], metrics_port,
-                                    logs / "guard.log")
-                limit = wait_for_limit(metrics_port, guard)
-                url = f"http://127.0.0.1:{guard_port}"
-            phase = run_phase(name, url, node, node_log, f"http://127.0.0.1:{node_port}")
-            phase.limit_tokens = limit
-            phases.append(phase)
-        finally:
-            if guard is not None:
-                guard.stop()
-            node.stop()
-    return phases[0], phases[1]
+    print(f"memtel demo --guard: lab nodes of {capacity_gb:g} GiB; run directory {out}", flush=True)
+    phases: list[Phase] = []
+    processes: list[Process] = []
+    try:
+        burst_nodes = {name: launch_node(port, hook, capacity_gb, logs / f"node-{name.replace(' ', '-')}.log")
+                       for name, (port, hook) in burst_ports.items()}
+        processes += burst_nodes.values()
+        held_port, held_hook = burst_ports["burst guarded"]
+        queue_guard = launch_guard(queue_port, held_port, [f"http://127.0.0.1:{held_hook}"], queue_metrics,
+                                   logs / "guard-queue.log", "--queue-s", repr(QUEUE_S))
+        processes.append(queue_guard)
+        node_url = f"http://127.0.0.1:{node_port}"
+        node = start_node(node_port, hook_port, capacity_gb, logs / "node-unguarded.log")
+        processes.append(node)
+        phases.append(run_phase("unguarded", node_url, node, node.log_path, node_url))
+        node.stop()
 
+        node = start_node(node_port, hook_port, capacity_gb, logs / "node-guarded.log")
+        processes.append(node)
+        guard = start_guard(guard_port, node_port, [f"http://127.0.0.1:{hook_port}"], metrics_port,
+                            logs / "guard.log")
+        processes.append(guard)
+        limit = wait_for_limit(metrics_port, guard)
+        phase = run_phase("guarded", f"http://127.0.0.1:{guard_port}", node, node.log_path, node_url)
+        phase.limit_tokens = limit
+        phases.append(phase)
+        guard.stop()
+        node.stop()
 
-# --- the report ----------------------------------------------------------------------------------
+        tokens = int(limit * BURST_FRACTION)  # a fresh node's limit at rest: each fits alone, two do not
+        for name, burst_node in burst_nodes.items():
+            wait_node(burst_node, burst_ports[name][0])
+        wait_guard(queue_guard, queue_metrics)
+        wait_for_limit(queue_metrics, queue_guard)
+        # Phases 3 and 4 run at once, on their own nodes: phase 3 is over in seconds, phase 4 waits for the tenant.
+        unguarded: list[Phase | BaseException] = []
 
+        def burst_unguarded() -> None:
+            try:
+                unguarded.append(run_burst_unguarded(burst_nodes["burst unguarded"],
+                                                     f"http://127.0.0.1:{burst_ports['burst unguarded'][0]}", tokens,
+                                                     capacity_gb))
+            except BaseException as error:   # raised again below, in the demo's own thread
+                unguarded.append(error)
 
-def _seconds(value: float) -> str:
-    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
-
-
-def _find(phase: Phase, label: str) -> Outcome:
-    return next(o for o in phase.outcomes if o.label == label)
-
-
-def verdict(unguarded: Phase, guarded: Phase) -> dict[str, Any]:
-    """What the run showed, as facts a reader (and the demo's exit status) can check."""
-    big_u, next_u = _find(unguarded, "1M"), _find(unguarded, "next 32k")
-    big_g, next_g = _find(guarded, "1M"), _find(guarded, "next 32k")
-    return {
-        "unguarded_1m_failed": big_u.status != 200,
-        "unguarded_next_served": next_u.status == 200,
-        "unguarded_node_alive_after": unguarded.node_alive_after,
-        "guarded_1m_refused": big_g.status == 503 and big_g.error_type == GUARD_WOULD_NOT_FIT,
-        "guarded_1m_refusal_ms": round(big_g.seconds * 1000, 1),
-        "guarded_next_served": next_g.status == 200,
-        "guarded_node_alive_after": guarded.node_alive_after and guarded.node_health_after == 200,
-        "guarded_small_prompts_served": all(o.status == 200 for o in guarded.outcomes if o.label in ("32k", "100k")),
-    }
-
-
-def shown_as_expected(facts: dict[str, Any]) -> bool:
-    return bool(facts["unguarded_1m_failed"] and not facts["unguarded_next_served"] and facts["guarded_1m_refused"]
-                and facts["guarded_next_served"] and facts["guarded_node_alive_after"]
-                and facts["guarded_small_prompts_served"])
-
-
-def report_text(unguarded: Phase, guarded: Phase, capacity_gb: float) -> str:
-    facts = verdict(unguarded, guarded)
-    big_u, next_u = _find(unguarded, "1M"), _find(unguarded, "next 32k")
-    big_g, next_g = _find(guarded, "1M"), _find(guarded, "next 32k")
-    lines = [
-        "# memtel guard on a small lab node",
-        "",
-        f"A lab node with {capacity_gb:g} GiB of emulated unified memory (`memtel lab serve --capacity-gb "
-        f"{capacity_gb:g}`, one rank, stock logits width, the hook's live forecast on) takes a 32k-token prompt, a "
-        "100k-token prompt, a 1M-token prompt and, a second later, another 32k-token prompt: first straight to the "
-        "node, then through `memtel guard` (docs/guard.md) on a fresh node.",
-        "",
-        "| phase | request | tokens | answer | time |",
-        "| --- | --- | ---: | --- | ---: |",
-    ]
-    for phase in (unguarded, guarded):
-        for o in phase.outcomes:
-            lines.append(f"| {phase.name} | {o.label} | {o.tokens:,} | {o.answer()} | {_seconds(o.seconds)} |")
-    lines += ["", "## Unguarded", ""]
-    if facts["unguarded_1m_failed"]:
-        lines.append(f"The 1M-token request failed with {big_u.answer()} after {_seconds(big_u.seconds)}: its "
-                     "prefill ran out of the node's memory and the engine died, as vLLM's engine core does.")
-    else:
-        lines.append(f"The 1M-token request was served ({_seconds(big_u.seconds)}): the node was large enough "
-                     "(choose a smaller --capacity-gb to show the harm).")
-    if unguarded.node_log_lines:
-        lines += ["", "The node's log:", ""]
-        lines += [f"    {line[:400]}" for line in unguarded.node_log_lines]
-    lines.append("")
-    after = {None: "nothing answered: the server had exited", 503: "/health answered 503: the engine is dead",
-             200: "/health answered 200"}
-    lines.append(f"The next request, a second later: {next_u.answer()} after {_seconds(next_u.seconds)}. After it, "
-                 f"{after.get(unguarded.node_health_after, f'/health answered {unguarded.node_health_after}')}"
-                 + ("" if unguarded.node_health_after == 200 else
-                    "; every request fails until someone restarts the engine") + ".")
-    lines += ["", "## Guarded", ""]
-    if guarded.limit_tokens is not None:
-        lines.append(f"Before the prompts the guard's limit was {guarded.limit_tokens:,} tokens "
-                     f"({GUARD_LIMIT_TOKENS.series}: the rank's {FORECAST_MAX_PREFILL_TOKENS.series}).")
-    if facts["guarded_1m_refused"]:
-        f = big_g.fields
-        lines.append(f"The 1M-token request got its 503 in {_seconds(big_g.seconds)} (including sending the "
-                     f"{big_g.tokens:,}-word prompt over loopback): `{big_g.error_type}`, the prompt's "
-                     f"{f.get('prompt_tokens', 0):,} tokens (counted by {f.get('prompt_tokens_counted_by')}) "
-                     f"against a limit of {f.get('limit_tokens', 0):,} set by rank {f.get('rank')} on node "
-                     f"{f.get('node')}, whose fit budget was {f.get('fit_budget_bytes') or 0:,} bytes. The node never "
-                     "saw it.")
-    else:
-        lines.append(f"The 1M-token request was not refused: {big_g.answer()} ({big_g.message}).")
-    lines.append(f"The next request: {next_g.answer()} in {_seconds(next_g.seconds)}; the node "
-                 + ("kept serving" if guarded.node_health_after == 200 else "was down")
-                 + f" (/health: {guarded.node_health_after}).")
-    lines += ["", "Shown as expected: " + ("yes" if shown_as_expected(facts) else "no") + ".", ""]
-    return "\n".join(lines)
-
-
-def write_report(out: Path, unguarded: Phase, guarded: Phase, capacity_gb: float) -> Path:
-    path = out / REPORT_FILE
-    path.write_text(report_text(unguarded, guarded, capacity_gb))
-    summary = {"capacity_gb": capacity_gb, "phases": [asdict(unguarded), asdict(guarded)],
-               "facts": verdict(unguarded, guarded)}
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    return path
+        other = threading.Thread(target=burst_unguarded, name="burst-unguarded", daemon=True)
+        other.start()
+        guarded = run_burst_guarded(burst_nodes["burst guarded"], held_port, queue_port, queue_metrics, tokens,
+                                    capacity_gb)
+        other.join(600)
+        if not unguarded:
+            raise RunError("the unguarded burst did not end within 600 s")
+        if isinstance(unguarded[0], BaseException):
+            raise unguarded[0]
+        phases += [unguarded[0], guarded]
+    finally:
+        for process in reversed(processes):
+            process.stop()
+    return phases
 
 
 def run(out: Path, capacity_gb: float = DEFAULT_CAPACITY_GB) -> int:
@@ -366,7 +436,7 @@ def run(out: Path, capacity_gb: float = DEFAULT_CAPACITY_GB) -> int:
 
     previous_sigterm = signal.signal(signal.SIGTERM, interrupt)  # SIGTERM stops it as Ctrl-C does
     try:
-        unguarded, guarded = run_guarded_demo(out, capacity_gb)
+        phases = run_guarded_demo(out, capacity_gb)
     except KeyboardInterrupt:
         print("\nmemtel demo --guard: interrupted; every process it started has been stopped", file=sys.stderr)
         return 130
@@ -375,8 +445,8 @@ def run(out: Path, capacity_gb: float = DEFAULT_CAPACITY_GB) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
-    path = write_report(out, unguarded, guarded, capacity_gb)
-    facts = verdict(unguarded, guarded)
+    path = write_report(out, phases, capacity_gb)
+    facts = verdict(phases)
     print(f"memtel demo --guard: done in {time.monotonic() - started:.0f} s. Report: {path}", flush=True)
     if not shown_as_expected(facts):
         print(f"memtel demo --guard: error: the run did not show the guard's effect as expected: {facts}",
@@ -385,5 +455,5 @@ def run(out: Path, capacity_gb: float = DEFAULT_CAPACITY_GB) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_CAPACITY_GB", "NODE_ARGS", "PROMPTS", "Outcome", "Phase", "post_completion", "report_text",
-           "run", "run_guarded_demo", "start_guard", "start_node", "verdict"]
+__all__ = ["BURST_PROMPTS", "DEFAULT_CAPACITY_GB", "FORECAST_ENV", "NODE_ARGS", "PROMPTS", "Process", "guard_limit",
+           "post_completion", "prompt_text", "run", "run_guarded_demo", "start_guard", "start_node", "tenant_holds"]

@@ -2,7 +2,7 @@
 
     memtel lab serve --arm stock|fixed [--ranks N] [--allocator cuda|sim] [--layers L] [--chunk C]
                      [--max-model-len T] [--compress-ratio R] [--budget-mb B] [--port P] [--host H]
-                     [--scale S] [--time-scale X] [--capacity-gb X]
+                     [--scale S] [--time-scale X] [--capacity-gb X [--tenant GIB@START_S+DURATION_S]]
 
 It answers like a vLLM server (so `memtel ab` and any OpenAI client can drive it) and runs, per
 request, the indexer's logits launches of a chunked prefill on N rank processes, each with memtel's
@@ -20,6 +20,7 @@ import socket
 import threading
 
 from harness.labserver.engine import LabConfig
+from harness.labserver.tenant import TENANT_FORMAT, parse_tenant
 from telemetry import limits
 from telemetry.argtypes import add_log_level, bounded_float, bounded_int, fraction, port
 from telemetry.errors import ConfigError, RunError
@@ -68,6 +69,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="sim: the node's unified memory, in GiB, shared by every rank: a launch beyond it runs "
                             "out of memory as on the device (the request fails and the engine dies, as vLLM's), and "
                             "the hook's fit budget is what it has left (default: unlimited)")
+    serve.add_argument("--tenant", type=parse_tenant, default=None, metavar=TENANT_FORMAT,
+                       help="with --capacity-gb: another process (a second engine, a job) takes GIB of the node's "
+                            "memory START_S seconds after the ranks are up and gives it back DURATION_S later, as on a "
+                            "DGX Spark; while the server runs, POST /lab/tenant {\"gib\": G, \"seconds\": S} does "
+                            "the same at once")
     serve.add_argument("--no-unified-memory", action="store_true",
                        help="sim: do not back simulated segments with host memory")
     serve.add_argument("--no-hook", action="store_true", help="do not install memtel's hook in the ranks")
@@ -88,6 +94,9 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
     if args.capacity_gb is not None and allocator != "sim":
         raise ConfigError(f"--capacity-gb {args.capacity_gb:g} emulates a node's memory on the sim allocator; "
                           f"with --allocator {allocator} the device's own memory applies (use --allocator sim)")
+    if args.tenant is not None and (args.capacity_gb is None or args.tenant.nbytes > args.capacity_gb * (1 << 30)):
+        raise ConfigError(f"--tenant takes part of the node's emulated memory: it needs --capacity-gb of at least its "
+                          f"{args.tenant.nbytes / (1 << 30):g} GiB")
     scale = args.scale if args.scale is not None else (DEFAULT_SIM_SCALE if allocator == "sim" else 1.0)
     memtel_port = args.memtel_port
     if memtel_port is None:
@@ -106,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
         unified_memory=not args.no_unified_memory, memtel_port=memtel_port,
         memtel_log_dir=args.memtel_log_dir or os.environ.get("MEMTEL_LOG_DIR") or None, hook=not args.no_hook,
         memtel_addr=args.host,
-        capacity_bytes=None if args.capacity_gb is None else int(args.capacity_gb * (1 << 30)),
+        capacity_bytes=None if args.capacity_gb is None else int(args.capacity_gb * (1 << 30)), tenant=args.tenant,
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from harness.labserver.cost_model import CostModel
 from harness.labserver.node_memory import NodeMemory
 from harness.labserver.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
+from harness.labserver.tenant import Tenant, TenantPlan
 from harness.labserver.worker import RankConfig, RankPrefill, rank_main
 from telemetry.errors import ConfigError, RunError
 from telemetry.model.indexer.backends import ALLOCATORS
@@ -59,6 +60,7 @@ class LabConfig:
     hook: bool = True
     startup_timeout_s: float = 120.0
     capacity_bytes: int | None = None  # sim: the node's emulated unified memory for all ranks (None: unlimited)
+    tenant: TenantPlan | None = None  # another process that takes some of that memory for a while (tenant.py)
 
     def __post_init__(self) -> None:
         problems = []
@@ -77,6 +79,9 @@ class LabConfig:
         if self.capacity_bytes is not None and (self.allocator != "sim" or self.capacity_bytes < 1):
             problems.append(f"capacity_bytes needs the sim allocator and a positive size, got {self.capacity_bytes!r} "
                             f"with {self.allocator}")
+        if self.tenant is not None and (self.capacity_bytes is None or self.tenant.nbytes > self.capacity_bytes):
+            problems.append(f"a tenant takes part of the node's emulated memory: it needs capacity_bytes of at least "
+                            f"its {self.tenant.nbytes!r}, got {self.capacity_bytes!r}")
         if self.prefix_cache_tokens < 0:
             problems.append(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens!r}")
         if problems:
@@ -120,6 +125,7 @@ class LabEngine:
         self._lock = threading.Lock()
         self.cost = CostModel(time_scale=config.time_scale)
         self.node: NodeMemory | None = None   # the emulated unified memory (--capacity-gb)
+        self.tenant: Tenant | None = None   # another process on that node (--tenant, POST /lab/tenant)
 
     # --- lifecycle ---
 
@@ -142,12 +148,18 @@ class LabEngine:
             self.stop()
             raise
         self._problem = None
+        if self.node is not None:
+            self.tenant = Tenant(self.node)
+            if self.config.tenant is not None:
+                self.tenant.schedule(self.config.tenant)
         log.info("lab engine up: %s", ", ".join(
             f"rank {r.rank} pid {r.info.get('pid')} ({r.info.get('allocator')}"
             f"{' ' + r.info['device_name'] if r.info.get('device_name') else ''})" for r in self._ranks))
 
     def stop(self, grace_s: float = 5.0) -> None:
         self._problem = self._problem or "stopped"
+        if self.tenant is not None:
+            self.tenant.stop()
         for rank in self._ranks:
             try:
                 rank.conn.send(("stop", {}))
@@ -180,6 +192,8 @@ class LabEngine:
         data["ranks_info"] = [r.info for r in self._ranks]
         if self.node is not None:
             data["node_used_bytes"] = self.node.used_bytes()
+        if self.tenant is not None:
+            data.update(self.tenant.describe())
         return data
 
     # --- work ---

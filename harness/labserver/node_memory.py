@@ -9,7 +9,8 @@ its cache and retries (`CachingAllocatorSim`), then raises; the rank logs a line
 does (engine.py, server.py).
 
 The hook's fit budget in the lab is this node's free memory (`set_forecast_budget(node.free_bytes, reserve_mib=0)`:
-the emulated node has no other tenant to keep memory for), shared by the ranks (LOCAL_WORLD_SIZE).
+no reserve is kept for other processes), shared by the ranks (LOCAL_WORLD_SIZE). Another tenant (tenant.py: a
+second engine starting, a job) takes its bytes out of the node too, so both the launches and that budget see it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class LabOutOfMemoryError(MemoryError):
 
 
 class NodeMemory:
-    """X bytes shared by `ranks` rank processes: a lock and each rank's reserved bytes in shared memory.
+    """X bytes shared by `ranks` rank processes and another tenant: a lock and each one's bytes in shared memory.
 
     Made by the engine with its multiprocessing context and handed to each rank at its start (spawn)."""
 
@@ -39,7 +40,8 @@ class NodeMemory:
         self.capacity_bytes = capacity_bytes
         self.ranks = ranks
         self.lock = context.Lock()
-        self.reserved = context.Array("q", ranks, lock=False)   # guarded by self.lock
+        # Guarded by self.lock: each rank's reserved bytes, then the other tenant's (slot `ranks`).
+        self.reserved = context.Array("q", ranks + 1, lock=False)
 
     def used_bytes(self) -> int:
         with self.lock:
@@ -48,6 +50,19 @@ class NodeMemory:
     def free_bytes(self) -> int:
         """What the node's ranks may still reserve together (the hook's budget reads it)."""
         return max(self.capacity_bytes - self.used_bytes(), 0)
+
+    def tenant_bytes(self) -> int:
+        with self.lock:
+            return int(self.reserved[self.ranks])
+
+    def set_tenant(self, nbytes: int) -> int:
+        """Another process holds `nbytes` from now on (0: it gave its memory back), or what the ranks leave free
+        if that is less: it cannot take what they hold. Returns what it holds."""
+        with self.lock:
+            ranks_hold = sum(self.reserved[:self.ranks])
+            held = max(min(nbytes, self.capacity_bytes - ranks_hold), 0)
+            self.reserved[self.ranks] = held
+            return held
 
 
 class NodeLimitedBackend:
@@ -80,9 +95,11 @@ class NodeLimitedBackend:
                 return call(*args)
             except SimulatedOutOfMemoryError as error:
                 in_use = others + sum(sim.reserved_bytes for sim in self._sims)
+                tenant = node.reserved[node.ranks]
                 log.error("NVRM: memtel lab rank %d: Out of memory [NV_ERR_NO_MEMORY] (0x%08x) mapping memory for "
-                          "the caching allocator: %.2f of %.2f GiB of the node's unified memory in use (%s)",
-                          self.rank, NV_ERR_NO_MEMORY, in_use / GIB, node.capacity_bytes / GIB, error)
+                          "the caching allocator: %.2f of %.2f GiB of the node's unified memory in use%s (%s)",
+                          self.rank, NV_ERR_NO_MEMORY, in_use / GIB, node.capacity_bytes / GIB,
+                          f", {tenant / GIB:.2f} GiB of it by another tenant" if tenant else "", error)
                 raise LabOutOfMemoryError(
                     f"CUDA out of memory on lab rank {self.rank}: the node's {node.capacity_bytes / GIB:g} GiB of "
                     f"unified memory are used up ({in_use / MIB:,.0f} MiB in use; {error})") from None

@@ -3,7 +3,8 @@
 Endpoints: `/v1/models`, `/v1/completions` (streamed as server-sent events like vLLM's, or not, with
 `usage`), `/v1/chat/completions` (the same engine behind the chat shape), `/tokenize`, `/health`,
 `/version`, `/metrics` (vLLM's metric names: `vllm:time_to_first_token_seconds`, prompt and
-generation token counters, prefix-cache queries and hits). Errors are vLLM-shaped JSON with the HTTP
+generation token counters, prefix-cache queries and hits), and the lab's own `POST /lab/tenant` (another process
+takes some of the node's emulated memory for a while: tenant.py). Errors are vLLM-shaped JSON with the HTTP
 status as `code`. Standard library only: `ThreadingHTTPServer`, one thread per connection; the engine
 runs one prefill at a time, as vLLM's scheduler does for long prompts sent one client at a time.
 
@@ -27,7 +28,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from harness.labserver.engine import EngineError, EngineOutOfMemoryError, LabEngine
+from harness.labserver.node_memory import GIB
 from harness.labserver.tokenizer import WhitespaceTokenizer
+from telemetry import limits
+from telemetry.argtypes import number_text
 from telemetry.catalogue import COUNTER, GAUGE, HISTOGRAM, Family, vllm
 from telemetry.catalogue.metrics import LAB_INDEXER_LAUNCHES
 from telemetry.errors import MemtelError
@@ -219,6 +223,29 @@ class LabService:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                 "token_strs": words if body.get("return_token_strs") else None}
 
+    def tenant(self, body: Any) -> dict:
+        """`POST /lab/tenant {"gib": G, "seconds": S}`: another process holds G GiB of the node now (0: gives it
+        back), for S seconds (absent: until the next call)."""
+        tenant = self.engine.tenant
+        if tenant is None:
+            raise bad_request("this lab node has no emulated memory for another tenant to take: start it with "
+                              "--capacity-gb (and --allocator sim)")
+        if not isinstance(body, dict) or set(body) - {"gib", "seconds"}:
+            raise bad_request('expected a JSON object {"gib": G, "seconds": S} (seconds optional)')
+        asked_gib, asked_seconds = body.get("gib"), body.get("seconds")
+        gib = _number_in(asked_gib, 0, limits.MAX_CAPACITY_GIB)
+        if gib is None:
+            most = number_text(limits.MAX_CAPACITY_GIB)
+            raise bad_request(f"gib must be a number in 0..{most}, got {asked_gib!r}"[:200], "gib")
+        seconds = None if asked_seconds is None else _number_in(asked_seconds, 0, limits.MAX_TENANT_S, above_low=True)
+        if asked_seconds is not None and seconds is None:
+            most = number_text(limits.MAX_TENANT_S)
+            raise bad_request(f"seconds must be a number in (0, {most}], got {asked_seconds!r}"[:200], "seconds")
+        asked = int(gib * GIB)
+        tenant.hold(asked, seconds)
+        return {"asked_bytes": asked, "node_capacity_bytes": tenant.node.capacity_bytes,
+                "node_free_bytes": tenant.node.free_bytes(), **tenant.describe()}
+
     # --- running ---
 
     def run(self, request: CompletionRequest, arrival: float) -> Iterator[tuple[str, dict]]:
@@ -338,7 +365,8 @@ class LabHandler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         arrival = time.perf_counter()
         try:
-            if path not in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/reset_prefix_cache"):
+            if path not in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/reset_prefix_cache",
+                            "/lab/tenant"):
                 self._drain()
                 raise ApiError(404, f"no route for POST {path}", "NotFoundError")
             if path == "/reset_prefix_cache":
@@ -349,6 +377,9 @@ class LabHandler(BaseHTTPRequestHandler):
             body = self._read_json()
             if path == "/tokenize":
                 self._send_json(200, self.service.tokenize(body))
+                return
+            if path == "/lab/tenant":
+                self._send_json(200, self.service.tenant(body))
                 return
             request = self.service.parse_completion(body, chat=path == "/v1/chat/completions")
         except ApiError as error:
@@ -446,6 +477,16 @@ class LabHandler(BaseHTTPRequestHandler):
         except ApiError as error:
             send({"object": "error", **error.body()})
             self.wfile.write(b"0\r\n\r\n")
+
+
+def _number_in(value: Any, low: float, high: float, *, above_low: bool = False) -> float | None:
+    """`value` as a float if it is a JSON number in [low, high] ((low, high] with `above_low`), else None. NaN and
+    infinity fail the comparisons; an integer of 400 digits is compared exactly, never made a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if not (low < value if above_low else low <= value) or not value <= high:
+        return None
+    return float(value)
 
 
 class LabHTTPServer(ThreadingHTTPServer):

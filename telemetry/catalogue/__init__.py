@@ -6,6 +6,8 @@ and the golden files against it. Adding a metric: docs/architecture.md, "Metric 
 
 from __future__ import annotations
 
+from prometheus_client.core import Metric
+
 from telemetry.catalogue.family import COUNTER, GAUGE, HISTOGRAM, Family
 from telemetry.catalogue.metrics import FAMILIES
 
@@ -25,4 +27,10 @@ def sample_names() -> dict[str, Family]:
     return {sample: entry for entry in FAMILIES.values() for sample in entry.sample_names}
 
 
-__all__ = ["COUNTER", "FAMILIES", "GAUGE", "HISTOGRAM", "Family", "family", "sample_names"]
+def described(*sources: str) -> list[Metric]:
+    """Every family these producers (`Family.source`) can export, without samples: a custom collector's
+    `describe()`, so that registering it never collects and a registry refuses a second collector of one name."""
+    return [entry.new() for entry in FAMILIES.values() if entry.source in sources]
+
+
+__all__ = ["COUNTER", "FAMILIES", "GAUGE", "HISTOGRAM", "Family", "described", "family", "sample_names"]

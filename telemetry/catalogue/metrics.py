@@ -124,6 +124,14 @@ FORECAST_MAX_PREFILL_TOKENS = gauge(
     "The longest cold prefill (in tokens, up to the engine's max-model-len) that, with every shorter one, keeps this "
     "rank's simulated peak reserved within its allocated bytes plus memtel_forecast_fit_budget_bytes.",
     ("rank", "node"), source="forecast")
+FORECAST_MAX_PREFILL_TOKENS_AT_BEST = gauge(
+    "memtel_forecast_max_prefill_tokens_at_best",
+    "The longest cold prefill (in tokens, up to the engine's max-model-len) that, with every shorter one, would "
+    "keep this rank's simulated peak reserved within the same limit as memtel_forecast_max_prefill_tokens if its "
+    "allocator first released every cached segment that holds no live block (what torch.cuda.empty_cache() "
+    "releases; live blocks, the KV cache and the weights included, stay); never below "
+    "memtel_forecast_max_prefill_tokens.",
+    ("rank", "node"), source="forecast")
 FORECAST_FIT_BUDGET = gauge(
     "memtel_forecast_fit_budget_bytes",
     "Memory this rank may still take beyond its live bytes: on unified memory its share of the node's headroom, "
@@ -418,7 +426,8 @@ GUARD_ADMITTED = counter(
 GUARD_REJECTED = counter(
     "memtel_guard_rejected",
     "Requests the guard answered itself instead of forwarding, by reason: context_length_exceeded (at least the "
-    "engine's max-model-len: 400, permanent), would_not_fit (longer than the longest prefill that fits now), "
+    "engine's max-model-len: 400, permanent), exceeds_memory_at_best (more than the deployment could take with "
+    "an empty cache: 400, permanent), would_not_fit (longer than the longest prefill that fits now), "
     "in_prefill (fits alone, not beside the admitted prefills), blind (--when-blind reject), bad_request "
     "(malformed, or prompt_embeds too large to bound), not_forwarded (a path the guard does not pass), no_replica "
     "(no replica healthy).", ("reason",),
@@ -455,6 +464,12 @@ GUARD_MAX_PREFILL_TOKENS = gauge(
     "memtel_guard_max_prefill_tokens",
     "The limiting rank's longest fitting prefill as the guard uses it (after --reserve-mb), with its node and rank.",
     ("node", "rank"), source="guard")
+GUARD_LIMIT_TOKENS_AT_BEST = gauge(
+    "memtel_guard_limit_tokens_at_best",
+    "The most the deployment could ever take, as the guard's permanent refusal uses it: the best replica's "
+    "smallest rank's memtel_forecast_max_prefill_tokens_at_best, read only while the guard had no prefill in flight "
+    "there (the highest such reading of the last five minutes), with that rank's node and rank; absent while "
+    "unknown (then no refusal is permanent by memory).", ("node", "rank"), source="guard")
 GUARD_IN_PREFILL_TOKENS = gauge(
     "memtel_guard_in_prefill_tokens",
     "Tokens of admitted requests whose prefill has not ended (no byte of their response yet).", source="guard")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from prometheus_client.core import Metric
 
 from telemetry import __version__
+from telemetry.catalogue import described
 from telemetry.catalogue import metrics as catalogue
 
 if TYPE_CHECKING:
@@ -183,7 +184,9 @@ class DaemonCollectors:
         self.last_scrape: tuple[float, float, list[Metric]] | None = None
 
     def describe(self) -> list[Metric]:
-        return []  # families vary per scrape; an empty describe keeps registration from collecting
+        """Every family the collectors given (by their registered names, the catalogue's `source`) and the health
+        series can export, from the catalogue: registering never collects, and a duplicate name is refused."""
+        return described("daemon", *self.collectors)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

@@ -4,9 +4,9 @@ Registration (as the daemon's collectors do it, telemetry/daemon/registry.py): e
 telemetry/engines/ (vllm.py, sglang.py, lab.py) declares its engine with `register(Engine(...))`, and
 `telemetry.engines` imports every module of its folder. The hook's presets and signals
 (telemetry/hook/presets.py), how it reads an engine's memory (telemetry/hook/engine.py) and its indexer
-workload (telemetry/hook/forecast/workload.py) all come from these registrations, so adding an engine is
-adding its file (and its tests). What only the harness needs of an engine (how it is launched and
-health-checked) is harness/engines/, registered the same way.
+workload (telemetry/hook/forecast/workload.py), how it is launched and health-checked (harness/ab/serve.py,
+lifecycle.py) and which of its switches `memtel tune` sets (telemetry/tune/engines.py) all come from these
+registrations, so adding an engine is adding its file (and its tests).
 
 An engine module imports neither torch nor its engine: it reads the engine's objects as the hook hands them
 over (a worker, its model), and everything it cannot find is None, never an error in the engine.
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from telemetry.model.indexer.shape import IndexerShape
+    from telemetry.model.tune.space import Setting
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,35 @@ class EngineWorkload:
     details: tuple[tuple[str, str], ...] = ()  # more of what was read, for the log and the info metric
 
 
+class Applied(NamedTuple):
+    """What gives a setting to an engine: environment variables, command-line flags, and notes (what they cannot
+    say)."""
+
+    env: dict[str, str]
+    flags: list[str]
+    notes: list[str]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Which of the engine's switches `memtel tune` (telemetry/tune/engines.py) searches, and how it sets them.
+
+    preset: the hook preset of its prefill logits (`memtel tune --preset` names the engine by it); modes: the
+    logits-width modes it has a switch for (None: every mode of the indexer model, `MODES` of
+    telemetry/model/indexer/planner.py, not imported here: the hook imports the engines); budget_is_setting: the
+    logits budget is a MiB setting the search may change (else the engine sizes it itself and it is not searched);
+    utilization_flag: the flag of its share of the device's memory, if it has one; apply(setting, budget_mib): the
+    variables, flags and notes that give a searched setting (its mode, chunk and allocator settings; the budget as
+    MiB text), but for the allocator's own variable, which the caller sets for every engine.
+    """
+
+    preset: str
+    modes: tuple[str, ...] | None
+    budget_is_setting: bool
+    utilization_flag: str | None
+    apply: Callable[[Setting, str], Applied]
+
+
 @dataclass(frozen=True)
 class Engine:
     """One serving engine, as the hook meets it inside its processes.
@@ -62,9 +92,12 @@ class Engine:
     is over. Readers, each given the worker a signal returned from (None where it is not this engine's):
     `model` its model; `kv_cache` its KV cache's tensors; `start_plan` what it will hold once started
     (given what the process holds now); `workload` its indexer workload (NoIndexer: it has none), read only
-    where `owns(worker)`. serve: the command line that serves a model (`{model}`, `{host}`, `{port}` filled in by
-    `serve_command`); every engine answers `HEALTH_PATH` with 200 once it takes requests and lists its
-    max-model-len in `MODELS_PATH` (data[i].max_model_len), which is all the A/B runner asks of a server.
+    where `owns(worker)`. world: the module whose `_WORLD` group (a GroupCoordinator with `rank` and `local_rank`)
+    names the process's rank once the engine initialized it (telemetry/hook/rank.py). serve: the command line that
+    serves a model (`{model}`, `{host}`, `{port}` filled in by `serve_command`); every engine answers `HEALTH_PATH`
+    with 200 once it takes requests and lists its max-model-len in `MODELS_PATH` (data[i].max_model_len), which is
+    all the A/B runner asks of a server.
+    tuning: what `memtel tune` sets (None: an engine tune does not search).
     """
 
     name: str
@@ -81,7 +114,9 @@ class Engine:
     start_plan: Callable[[Any, int | None], int | None] | None = None
     workload: Callable[[Any, Mapping[str, str]], EngineWorkload] | None = None
     owns: Callable[[Any], bool] | None = None
+    world: str | None = None
     serve: tuple[str, ...] = ()
+    tuning: Tuning | None = None
 
 
 # What every registered engine answers (vLLM 0.32, SGLang 0.5.23 and the lab server; harness/ab/lifecycle.py asks).
@@ -108,6 +143,8 @@ def register(engine: Engine) -> Engine:
     twice = sorted(taken & set(engine.presets))
     if twice:
         raise ValueError(f"engine {engine.name!r}: preset(s) {', '.join(twice)} already registered by another engine")
+    if engine.tuning is not None and engine.tuning.preset not in engine.presets:
+        raise ValueError(f"engine {engine.name!r}: its tuning names the preset {engine.tuning.preset!r}, not its own")
     _ENGINES[engine.name] = engine
     return engine
 
@@ -131,5 +168,5 @@ def tensors_in(value: Any, depth: int = 0) -> Iterator[Any]:
         yield value
 
 
-__all__ = ["HEALTH_PATH", "MODELS_PATH", "Engine", "EngineWorkload", "NoIndexer", "PresetSite", "register",
-           "registered", "serve_command", "tensors_in"]
+__all__ = ["HEALTH_PATH", "MODELS_PATH", "Applied", "Engine", "EngineWorkload", "NoIndexer", "PresetSite", "Tuning",
+           "register", "registered", "serve_command", "tensors_in"]

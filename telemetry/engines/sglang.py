@@ -8,13 +8,24 @@ is loaded when `ModelRunner.load_model` returns. `ModelRunner.initialize` loads 
 (token_to_kv_pool) and captures the graphs, so its return is the engine-memory signal and the end of the
 start; read from its source, not run here. SGLang sizes the indexer's logits budget itself and has no
 fixed-width switch: its workload is not read (the forecast uses MEMTEL_FORECAST_SHAPE or the reference).
+
+What `memtel tune` sets: the chunk (`--chunked-prefill-size`) and the memory share (`--mem-fraction-static`). The
+logits budget is sized from free memory (sglang/srt/layers/attention/mqa_logits_utils.py:
+`SGLANG_DSA_MQA_LOGITS_FREE_MEM_FRACTION`, default 0.2, of the free memory, at most 0.3 of the device), so it is
+no MiB setting and is not searched; only the stock width runs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from telemetry.engines.registry import Engine, PresetSite, register, tensors_in
+from telemetry.engines.registry import Applied, Engine, PresetSite, Tuning, register, tensors_in
+
+if TYPE_CHECKING:
+    from telemetry.model.tune.space import Setting
+
+PREFILL_PRESET = "sglang-sparse-indexer"
+BUDGET_VARIABLE = "SGLANG_DSA_MQA_LOGITS_FREE_MEM_FRACTION"
 
 PRESETS: dict[str, tuple[PresetSite, ...]] = {
     # SGLang's sparse-attention indexers (sglang 0.5.23): the ragged prefill logits, float32 [rows, N] with N
@@ -22,7 +33,7 @@ PRESETS: dict[str, tuple[PresetSite, ...]] = {
     # row chunk of a prefill chunk, per layer. One target, deep_gemm's module attribute, serves the three
     # indexers that read it at call time; the targets of a preset that sit in modules never imported
     # (DeepSeek V4 code in a V3.2 server) stay pending and are reported as such.
-    "sglang-sparse-indexer": (
+    PREFILL_PRESET: (
         PresetSite(
             target="deep_gemm:fp8_mqa_logits",
             call_sites=("sglang.srt.layers.attention.dsa.utils",),
@@ -109,13 +120,23 @@ def kv_cache_tensors(worker: Any) -> list[Any] | None:
     return list(tensors_in([b for b in buffers if b is not None])) or None
 
 
+def tuned(setting: Setting, budget_mib: str) -> Applied:
+    """`memtel tune`'s setting as SGLang's switches: the chunk; the budget is SGLang's own (a note says so)."""
+    return Applied({}, ["--chunked-prefill-size", str(setting.chunk)],
+                   [f"SGLang sizes the logits budget from free memory ({BUDGET_VARIABLE}); the search assumed "
+                    f"{budget_mib} MiB"])
+
+
 ENGINE = register(Engine(
     name="sglang", title="SGLang", order=20, presets=PRESETS, package="sglang",
     model_loaded=("sglang.srt.model_executor.model_runner:ModelRunner.load_model",),
     engine_memory=("sglang.srt.model_executor.model_runner:ModelRunner.initialize",),
     started=("ModelRunner.initialize",),
     model=model, kv_cache=kv_cache_tensors,
+    world="sglang.srt.distributed.parallel_state",   # a copy of vLLM's; its local rank is the scheduler's gpu_id
     serve=("python3", "-m", "sglang.launch_server", "--model-path", "{model}", "--host", "{host}", "--port", "{port}"),
+    tuning=Tuning(PREFILL_PRESET, ("stock",), budget_is_setting=False, utilization_flag="--mem-fraction-static",
+                  apply=tuned),
 ))
 
-__all__ = ["ENGINE", "PRESETS", "kv_cache_tensors", "model"]
+__all__ = ["BUDGET_VARIABLE", "ENGINE", "PREFILL_PRESET", "PRESETS", "kv_cache_tensors", "model", "tuned"]

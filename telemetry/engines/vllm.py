@@ -26,20 +26,38 @@ The indexer workload, read when `Worker.load_model` returns:
 
 Not modelled, and said so in the details: tensor-parallel row sharding of the prefill rows
 (`balanced_prefill_row_shard`, used only on CUDA with TP > 1 and at least 16,384 rows per rank).
+
+What `memtel tune` sets: the logits budget (`VLLM_SPARSE_INDEXER_MAX_LOGITS_MB`), the chunk
+(`--max-num-batched-tokens`), the width mode (the patched build's switch) and the memory share
+(`--gpu-memory-utilization`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from telemetry.engines.registry import Engine, EngineWorkload, NoIndexer, PresetSite, register, tensors_in
+from telemetry.engines.registry import (
+    Applied,
+    Engine,
+    EngineWorkload,
+    NoIndexer,
+    PresetSite,
+    Tuning,
+    register,
+    tensors_in,
+)
+
+if TYPE_CHECKING:
+    from telemetry.model.tune.space import Setting
+
+PREFILL_PRESET = "vllm-sparse-indexer"
 
 PRESETS: dict[str, tuple[PresetSite, ...]] = {
     # vLLM's sparse-attention indexer (DeepSeek V3.2 / GLM DSA): the prefill logits, float32 [M, N]
     # with N the context so far: the allocation that adds a segment per prefill chunk.
-    "vllm-sparse-indexer": (
+    PREFILL_PRESET: (
         PresetSite(
             target="vllm.model_executor.layers.sparse_attn_indexer:fp8_fp4_mqa_logits",
             call_sites=("vllm.model_executor.layers.sparse_attn_indexer",),
@@ -194,6 +212,15 @@ def read_workload(worker: Any, environ: Mapping[str, str]) -> EngineWorkload:
     return EngineWorkload(shape, mode, tuple(details))
 
 
+def tuned(setting: Setting, budget_mib: str) -> Applied:
+    """`memtel tune`'s setting as vLLM's switches: the budget and the width mode are variables, the chunk a flag."""
+    env, notes = {BUDGET_VARIABLE: budget_mib}, []
+    if setting.mode == "fixed":
+        env[FIXED_WIDTH_VARIABLE] = "1"
+        notes.append(f"{FIXED_WIDTH_VARIABLE}=1 is the patched build's switch (vLLM 0.32 itself has none)")
+    return Applied(env, ["--max-num-batched-tokens", str(setting.chunk)], notes)
+
+
 ENGINE = register(Engine(
     name="vllm", title="vLLM", order=10, presets=PRESETS, package="vllm",
     model_loaded=("vllm.v1.worker.gpu_worker:Worker.load_model",),
@@ -203,8 +230,11 @@ ENGINE = register(Engine(
     start_begin=("vllm.v1.worker.gpu_worker:Worker.init_device", "vllm.v1.worker.cpu_worker:CPUWorker.init_device"),
     started=("compile_or_warm_up_model",),
     model=model, kv_cache=kv_cache_tensors, start_plan=start_plan_bytes, workload=read_workload, owns=owns,
+    world="vllm.distributed.parallel_state",
     serve=("vllm", "serve", "{model}", "--host", "{host}", "--port", "{port}"),
+    tuning=Tuning(PREFILL_PRESET, None, budget_is_setting=True, utilization_flag="--gpu-memory-utilization",
+                  apply=tuned),
 ))
 
-__all__ = ["BUDGET_VARIABLE", "ENGINE", "FIXED_WIDTH_VARIABLE", "INDEXER_CLASSES", "PRESETS",
-           "TP_ROW_SHARD_MIN_ROWS_PER_RANK", "kv_cache_tensors", "model", "read_workload", "start_plan_bytes"]
+__all__ = ["BUDGET_VARIABLE", "ENGINE", "FIXED_WIDTH_VARIABLE", "INDEXER_CLASSES", "PREFILL_PRESET", "PRESETS",
+           "TP_ROW_SHARD_MIN_ROWS_PER_RANK", "kv_cache_tensors", "model", "read_workload", "start_plan_bytes", "tuned"]

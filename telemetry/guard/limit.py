@@ -3,11 +3,13 @@
 Each hook exporter (`--hooks`) is scraped every `poll_s`. From its /metrics the guard reads, per
 `rank` and `node`, `memtel_forecast_max_prefill_tokens` (the longest cold prefill that fits the memory
 the rank may still take), `memtel_forecast_fit_budget_bytes` (that memory),
-`memtel_forecast_last_success_timestamp_seconds` (when the forecast's snapshot was taken) and
+`memtel_forecast_last_success_timestamp_seconds` (when the forecast's snapshot was taken),
 `memtel_forecast_reserved_growth_bytes{tokens}` (the bytes forecast for fixed lengths, quoted in a
-refusal). A rank is fresh while its hook answered within `stale_s` and its forecast is younger than
-`stale_s`. The limit is the smallest fresh rank's tokens (cut by `reserve_bytes`, see `RankFit.tokens`),
-less the tokens of admitted requests still in their prefill (`hold`/`release`). No fresh rank: blind.
+refusal) and `memtel_forecast_max_prefill_tokens_at_best` (what the rank could take with an empty cache:
+the permanent limit, kept as at_best.py says). A rank is fresh while its hook answered within `stale_s`
+and its forecast is younger than `stale_s`. The limit is the smallest fresh rank's tokens (cut by
+`reserve_bytes`, see `RankFit.tokens`), less the tokens of admitted requests still in their prefill
+(`hold`/`release`). No fresh rank: blind.
 
 A hook is not trusted further than its gauges make sense: a rank whose tokens or budget is NaN, infinite
 or negative, or whose forecast time is missing, not a positive finite number, or in the future, is not
@@ -18,17 +20,15 @@ a worker thread, so a large one does not stall the event loop that serves the cl
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import math
 import ssl
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from telemetry.catalogue import metrics as catalogue
-from telemetry.errors import ConfigError
+from telemetry.guard.at_best import AT_BEST_WINDOW_S, AtBest, AtBestBook, replica_at_best
 from telemetry.guard.http import ClientSide, UpstreamError, open_channel
 from telemetry.scrape import Endpoint, parse
 
@@ -38,48 +38,14 @@ MAX_PREFILL = catalogue.FORECAST_MAX_PREFILL_TOKENS.series
 FIT_BUDGET = catalogue.FORECAST_FIT_BUDGET.series
 LAST_SUCCESS = catalogue.FORECAST_LAST_SUCCESS.series
 GROWTH = catalogue.FORECAST_RESERVED_GROWTH.series
+AT_BEST = catalogue.FORECAST_MAX_PREFILL_TOKENS_AT_BEST.series
 _WANTED = (catalogue.FORECAST_MAX_PREFILL_TOKENS, catalogue.FORECAST_FIT_BUDGET, catalogue.FORECAST_LAST_SUCCESS,
-           catalogue.FORECAST_RESERVED_GROWTH)
+           catalogue.FORECAST_RESERVED_GROWTH, catalogue.FORECAST_MAX_PREFILL_TOKENS_AT_BEST)
 MAX_METRICS_BYTES = 4 << 20  # a hook's /metrics is tens of kB; a larger answer is not a hook's
 MAX_HEAD_BYTES = 16384
 # How far ahead of the guard's clock a forecast's timestamp may be (the hooks' nodes' clocks, NTP-synced,
 # differ by milliseconds); further ahead, the timestamp is wrong and would never age.
 FUTURE_SLACK_S = 2.0
-
-
-@dataclass(frozen=True)
-class HookTarget:
-    url: str  # as given, without credentials (it names the hook in logs, metrics and refusals)
-    host: str
-    port: int
-    path: str
-    tls: bool
-    authorization: str | None = None
-
-    @classmethod
-    def parse(cls, text: str, flag: str = "--hooks") -> HookTarget:
-        expected = "expected http://HOST:PORT or https://HOST:PORT[/metrics] of a rank's hook exporter"
-        try:
-            parts = urllib.parse.urlsplit(text.strip())
-            port = parts.port
-        except ValueError:
-            raise ConfigError(f"{flag}: {text[:80]!r} is not a URL; {expected}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"{flag}: {text[:80]!r} is not a URL; {expected}")
-        auth = None
-        if parts.username is not None:
-            user = urllib.parse.unquote(parts.username)
-            password = urllib.parse.unquote(parts.password or "")
-            auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        host = parts.hostname
-        shown_host = f"[{host}]" if ":" in host else host
-        port = port or (443 if parts.scheme == "https" else 80)
-        path = parts.path if parts.path not in ("", "/") else "/metrics"
-        return cls(f"{parts.scheme}://{shown_host}:{port}{path}", host, port, path, parts.scheme == "https", auth)
-
-    @property
-    def host_header(self) -> str:
-        return Endpoint("http", self.host, self.port, self.path).host_port
 
 
 @dataclass(frozen=True)
@@ -92,6 +58,7 @@ class RankFit:
     budget_bytes: float | None
     forecast_time: float | None  # unix time of the forecast's snapshot
     growth_bytes: tuple[tuple[int, float], ...] = ()  # (tokens, forecast reserved growth), ascending
+    at_best_tokens: int | None = None  # the longest prefill with an empty cache (None: a hook without the gauge)
 
     def tokens(self, reserve_bytes: float) -> int:
         """The rank's limit with `reserve_bytes` more kept free: its tokens scaled by the budget left.
@@ -141,27 +108,30 @@ def parse_hook(text: str) -> tuple[list[RankFit], list[str]]:
             length = sample.labels.get("tokens", "")
             if length.isdigit() and len(length) <= 18 and math.isfinite(sample.value) and sample.value >= 0:
                 growth.setdefault(key, []).append((int(length), sample.value))
-        elif sample.name in (MAX_PREFILL, FIT_BUDGET, LAST_SUCCESS):
+        elif sample.name in (MAX_PREFILL, FIT_BUDGET, LAST_SUCCESS, AT_BEST):
             values.setdefault(key, {})[sample.name] = sample.value
     fits, rejected = [], []
     for (rank, node), found in values.items():
         tokens, budget, at = found.get(MAX_PREFILL), found.get(FIT_BUDGET), found.get(LAST_SUCCESS)
+        at_best = found.get(AT_BEST)
         if tokens is None:
             continue
         bad = [f"{name} is {value:g}" for name, value, positive in ((MAX_PREFILL, tokens, False),
                                                                    (FIT_BUDGET, budget, False),
-                                                                   (LAST_SUCCESS, at, True))
+                                                                   (LAST_SUCCESS, at, True),
+                                                                   (AT_BEST, at_best, False))
                if _bad(value, positive=positive)]
         if bad:
             rejected.append(f"rank {rank} on node {node}: {', '.join(bad)}")
             continue
-        fits.append(RankFit(rank, node, int(tokens), budget, at, tuple(sorted(growth.get((rank, node), [])))))
+        fits.append(RankFit(rank, node, int(tokens), budget, at, tuple(sorted(growth.get((rank, node), []))),
+                            None if at_best is None else int(at_best)))
     return fits, rejected
 
 
 @dataclass
 class HookState:
-    target: HookTarget
+    target: Endpoint  # the hook's exporter (`--hooks`: telemetry/scrape/url.py parses it)
     fits: list[RankFit] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)  # ranks whose gauges make no sense, and why
     scraped_at: float | None = None  # monotonic time of the last successful scrape
@@ -183,8 +153,11 @@ class Limit:
 class LimitTracker:
     """The hooks' last answers, the tokens held by admitted prefills, and the blind episodes."""
 
-    def __init__(self, targets: list[HookTarget], *, stale_s: float, reserve_bytes: float = 0.0) -> None:
+    def __init__(self, targets: list[Endpoint], *, stale_s: float, reserve_bytes: float = 0.0,
+                 at_best_window_s: float = AT_BEST_WINDOW_S) -> None:
         self.hooks = [HookState(t) for t in targets]
+        self.book = AtBestBook(at_best_window_s)  # clean at-best readings, prefills in flight (at_best.py)
+        self.at_best_unknown: str | None = "no answer yet"  # why `at_best()` was None last
         self.stale_s = stale_s
         self.reserve_bytes = reserve_bytes
         self.in_prefill_tokens = 0
@@ -195,6 +168,7 @@ class LimitTracker:
         # What the last `limit()` found, for the metrics (read on the exporter's threads, written on the loop's).
         self.published: Limit | None = None
         self.published_fresh = 0
+        self.published_at_best: AtBest | None = None  # `at_best()` after each round of scrapes
         # Called on the loop whenever the limit may have changed (a hook's scrape, a hold released): the guard's
         # queue wakes its waiters from here instead of polling (telemetry/guard/queue.py).
         self._listeners: list[Callable[[], None]] = []
@@ -213,6 +187,7 @@ class LimitTracker:
         if fits is not None:
             hook.fits, hook.scraped_at, hook.error = fits, time.monotonic(), None
             hook.rejected = rejected or []
+            self.book.observe(hook.target.url, fits)
             self.notify()  # a new limit
         else:
             hook.error = error
@@ -259,11 +234,19 @@ class LimitTracker:
                                fit, hook.target.url)
         return self.published
 
+    def at_best(self) -> AtBest | None:
+        """The most this replica could take with its caches empty, where it can be trusted (at_best.py)."""
+        return replica_at_best(self)
+
     def hold(self, tokens: int) -> None:
+        """An admitted request's prefill starts (every admission, 0 tokens for one admitted blind)."""
         self.in_prefill_tokens += tokens
+        self.book.started()
 
     def release(self, tokens: int) -> None:
+        """Its prefill is over: once for each `hold`."""
         self.in_prefill_tokens = max(0, self.in_prefill_tokens - tokens)
+        self.book.ended()
         self.notify()
 
     def _set_blind(self, blind: bool) -> None:
@@ -291,14 +274,14 @@ class LimitTracker:
             self._blind_since = now
 
 
-async def fetch_metrics(target: HookTarget, timeout_s: float) -> bytes:
+async def fetch_metrics(target: Endpoint, timeout_s: float) -> bytes:
     """One GET of a hook's /metrics, its body (at most MAX_METRICS_BYTES), all within `timeout_s`;
     OSError / TimeoutError / UpstreamError on failure."""
     async def get() -> bytes:
         context = ssl.create_default_context() if target.tls else None
         side = ClientSide(await open_channel(target.host, target.port, context, timeout_s), MAX_HEAD_BYTES)
         try:
-            headers = [("Host", target.host_header), ("Accept", "text/plain"), ("Connection", "close")]
+            headers = [("Host", target.host_port), ("Accept", "text/plain"), ("Connection", "close")]
             if target.authorization:
                 headers.append(("Authorization", target.authorization))
             await side.send_request("GET", target.path, headers, b"", timeout_s)
@@ -331,8 +314,9 @@ async def scrape_forever(tracker: LimitTracker, poll_s: float, timeout_s: float)
         started = time.monotonic()
         await asyncio.gather(*(one(h) for h in tracker.hooks))
         tracker.limit()  # a blind episode starts and ends with the hooks, not with the next request
+        tracker.published_at_best = tracker.at_best()
         await asyncio.sleep(max(0.0, poll_s - (time.monotonic() - started)))
 
 
-__all__ = ["FIT_BUDGET", "GROWTH", "LAST_SUCCESS", "MAX_PREFILL", "HookState", "HookTarget", "Limit", "LimitTracker",
+__all__ = ["AT_BEST", "FIT_BUDGET", "GROWTH", "LAST_SUCCESS", "MAX_PREFILL", "HookState", "Limit", "LimitTracker",
            "RankFit", "fetch_metrics", "parse_fits", "parse_hook", "scrape_forever"]

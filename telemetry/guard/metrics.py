@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from telemetry.catalogue import described
 from telemetry.catalogue import metrics as catalogue
 from telemetry.catalogue.family import Family, HistogramFamily
 from telemetry.guard.limit import LimitTracker
@@ -32,8 +33,8 @@ HISTOGRAM_BUCKETS: dict[HistogramFamily, tuple[float, ...]] = {catalogue.GUARD_A
                                                       catalogue.GUARD_QUEUE_WAIT: QUEUE_WAIT_BUCKETS}
 # Label values exported even at 0, so a rate() sees the first one.
 FIXED_LABELS: dict[Family, tuple[tuple[str, ...], ...]] = {
-    catalogue.GUARD_REJECTED: (("context_length_exceeded",), ("would_not_fit",), ("in_prefill",), ("blind",),
-                               ("bad_request",), ("not_forwarded",)),
+    catalogue.GUARD_REJECTED: (("context_length_exceeded",), ("exceeds_memory_at_best",), ("would_not_fit",),
+                               ("in_prefill",), ("blind",), ("bad_request",), ("not_forwarded",)),
     catalogue.GUARD_BLIND_DECISIONS: (("admit",), ("reject",)),
     catalogue.GUARD_UPSTREAM_FAILURES: (("connect",), ("request",), ("body",), ("tokenize",)),
     catalogue.GUARD_CONNECTIONS: (("evicted",), ("refused",)),
@@ -105,6 +106,13 @@ class GuardCollector(Collector):
             yield from self._replicas()
         else:
             yield from self._limit()
+        trackers = [r.tracker for r in self.replicas] or [self.tracker]
+        known = [t.published_at_best for t in trackers]
+        if all(known):   # the deployment's: the best replica's, where every replica's is known (at_best.py)
+            best = max((a for a in known if a is not None), key=lambda a: a.tokens)
+            at_best = catalogue.GUARD_LIMIT_TOKENS_AT_BEST.new()
+            at_best.add_metric([best.node, best.rank], best.tokens)
+            yield at_best
 
     def _counters(self) -> Iterator[Metric]:
         counts = self.metrics.counts()
@@ -184,7 +192,8 @@ class GuardCollector(Collector):
         yield room
 
     def describe(self) -> list[Metric]:
-        return []
+        """The catalogue's guard families (those of several replicas too), without collecting."""
+        return described("guard")
 
 
 def guard_registry(metrics: GuardMetrics, tracker: LimitTracker,

@@ -5,8 +5,8 @@ thread. `/v1/completions` and `/v1/chat/completions` are sized (telemetry/guard/
 against the limit in force (telemetry/guard/limit.py): admitted requests go upstream unchanged and hold
 their tokens until the upstream sends the first byte of the response's body (the prefill is over); refused
 ones get an OpenAI-style error (telemetry/guard/refusal.py): 400 with `x-should-retry: false` for a prompt no
-retry can fit (over the engine's max-model-len), 503 with `Retry-After` and `x-should-retry: true` for one that
-does not fit now. The paths in `PASS_THROUGH` go upstream
+retry can fit (over the engine's max-model-len, or over what the deployment could take at best), 503 with
+`Retry-After` and `x-should-retry: true` for one that does not fit now. The paths in `PASS_THROUGH` go upstream
 unchanged. Any other path is answered 404 here: an endpoint that runs a prefill the guard does not size
 (`/v1/embeddings`, SGLang's `/generate`) must not reach the engine around it.
 
@@ -25,7 +25,6 @@ import json
 import logging
 import ssl
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +39,7 @@ from telemetry.catalogue.fields import (
 )
 from telemetry.errors import ConfigError
 from telemetry.guard.admission import admit
+from telemetry.guard.at_best import AtBest, deployment_at_best
 from telemetry.guard.http import (
     Channel,
     ClientSide,
@@ -52,11 +52,12 @@ from telemetry.guard.http import (
     end_to_end,
     open_channel,
 )
-from telemetry.guard.limit import HookTarget, LimitTracker, fetch_metrics
+from telemetry.guard.limit import LimitTracker, fetch_metrics
 from telemetry.guard.metrics import GuardMetrics
 from telemetry.guard.prompt import CHAT_COMPLETIONS, COMPLETIONS, PromptError, PromptSize, measure, parse_body
 from telemetry.guard.queue import ClientLeft, GuardQueue, QueueFull, needed, transient
 from telemetry.guard.refusal import MODELS_PATH, RETRY_AFTER_S, ContextLength, Refusal, behind, error_body
+from telemetry.scrape import Endpoint
 
 log = logging.getLogger("memtel.guard")
 
@@ -95,38 +96,10 @@ class GuardLimits:
     max_queued: int = 32  # waiting at most (each holds its body once: at most max_body_bytes)
 
 
-@dataclass(frozen=True)
-class Upstream:
-    host: str
-    port: int
-    tls: bool
-    url: str
-
-    @classmethod
-    def parse(cls, text: str, flag: str = "--upstream") -> Upstream:
-        expected = "expected the engine's base URL, e.g. http://127.0.0.1:8000"
-        try:
-            parts = urllib.parse.urlsplit(text.strip())
-            port = parts.port
-        except ValueError:
-            raise ConfigError(f"{flag}: {text[:80]!r} is not a URL; {expected}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
-                or parts.query or parts.username:
-            raise ConfigError(f"{flag}: {text[:80]!r} is not a base URL; {expected}")
-        port = port or (443 if parts.scheme == "https" else 80)
-        host = parts.hostname
-        shown = f"[{host}]" if ":" in host else host
-        return cls(host, port, parts.scheme == "https", f"{parts.scheme}://{shown}:{port}")
-
-    @property
-    def host_header(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
 class _UpstreamPool:
     """Kept-alive connections to the upstream, each reused only after an exchange h11 saw finish cleanly."""
 
-    def __init__(self, upstream: Upstream, limits: GuardLimits) -> None:
+    def __init__(self, upstream: Endpoint, limits: GuardLimits) -> None:
         self.upstream = upstream
         self.limits = limits
         self._idle: list[ClientSide] = []
@@ -162,7 +135,7 @@ class _UpstreamPool:
 class Replica:
     """One engine behind the guard: its upstream, its ranks' limit, its connections, its health."""
 
-    def __init__(self, upstream: Upstream, tracker: LimitTracker, limits: GuardLimits) -> None:
+    def __init__(self, upstream: Endpoint, tracker: LimitTracker, limits: GuardLimits) -> None:
         self.upstream = upstream
         self.tracker = tracker
         self.name = upstream.url
@@ -186,10 +159,18 @@ class _Client:
 _Refusal = Refusal  # status, OpenAI error body, Retry-After and x-should-retry (refusal.py)
 
 
+class _Unreachable(Exception):
+    """The chosen replica refused the connection: nothing was sent to it, so another may take the request."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class GuardProxy:
-    def __init__(self, upstream: Upstream, tracker: LimitTracker, metrics: GuardMetrics, *,
+    def __init__(self, upstream: Endpoint, tracker: LimitTracker, metrics: GuardMetrics, *,
                  when_blind: str = "admit", limits: GuardLimits | None = None,
-                 replicas: list[tuple[Upstream, LimitTracker]] | None = None) -> None:
+                 replicas: list[tuple[Endpoint, LimitTracker]] | None = None) -> None:
         """upstream, tracker: the one replica; or `replicas` (upstream, tracker) each, the first standing for
         `upstream` and `tracker` then."""
         if when_blind not in WHEN_BLIND:
@@ -201,7 +182,8 @@ class GuardProxy:
         first = self.replicas[0]
         self.upstream, self.tracker, self._pool, self.context = first.upstream, first.tracker, first.pool, first.context
         self._turn = 0  # breaks ties between replicas with the same room, in turn
-        self.queue = GuardQueue(self.limits.queue_s, self.limits.max_queued, metrics, self._rooms)
+        self.queue = GuardQueue(self.limits.queue_s, self.limits.max_queued, metrics, self._rooms,
+                                self._at_best_tokens)
         for replica in self.replicas:
             replica.tracker.subscribe(self.queue.kick)
         self._clients: set[_Client] = set()
@@ -359,35 +341,56 @@ class GuardProxy:
             self.metrics.count(catalogue.GUARD_REJECTED, "bad_request")
             await self._answer(client, 400, error_body(GUARD_BAD_REQUEST, _body_error(exc), 400))
             return
-        try:
+        # With several replicas, one that cannot be reached (nothing was sent to it) leaves the pool at once and the
+        # prompt is decided again among the others: it goes where it fits, waits, or gets the transient 503.
+        for _attempt in range(len(self.replicas)):
             try:
-                replica, held, counted_by = await self._decide(request, size)
-                if self.queue.enabled and self.queue.blocked() and (limit := replica.tracker.published) is not None:
-                    replica.tracker.release(held)  # the queue's order rule: behind the head that waited its turn
-                    raise behind(held, counted_by, limit)
+                replica, held, counted_by = await self._admit(request, size, client)
             except _Refusal as refusal:
-                if not (self.queue.enabled and transient(refusal)):
-                    raise
-                replica, held, counted_by = await self._wait(request, size, refusal, client)
-        except _Refusal as refusal:
-            if refusal.counted_as is not None:
-                self.metrics.count(catalogue.GUARD_REJECTED, refusal.counted_as)
-            self.metrics.observe_added(time.perf_counter() - started)
-            await self._answer(client, refusal.status, refusal.body, refusal.headers)
-            return
-        self.metrics.count(catalogue.GUARD_ADMITTED, path, counted_by)
-        released = False
+                if refusal.counted_as is not None:
+                    self.metrics.count(catalogue.GUARD_REJECTED, refusal.counted_as)
+                self.metrics.observe_added(time.perf_counter() - started)
+                await self._answer(client, refusal.status, refusal.body, refusal.headers)
+                return
+            self.metrics.count(catalogue.GUARD_ADMITTED, path, counted_by)
+            released = False
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                replica.tracker.release(held)
+            def release(replica: Replica = replica, held: int = held) -> None:
+                nonlocal released
+                if not released:
+                    released = True
+                    replica.tracker.release(held)
 
+            try:
+                await self._forward(replica, request, raw, client, started, release,
+                                    unreachable_raises=len(self.replicas) > 1)
+                return
+            except _Unreachable as down:
+                self._leave_pool(replica, down.reason)
+            finally:
+                release()
+        none_left = self._no_replica()  # every replica was tried and refused the connection
+        self.metrics.count(catalogue.GUARD_REJECTED, "no_replica")
+        await self._answer(client, none_left.status, none_left.body, none_left.headers)
+
+    async def _admit(self, request: Request, size: PromptSize, client: ServerSide) -> tuple[Replica, int, str]:
+        """Decide now, or queue a transient refusal when --queue-s is set: (replica, tokens held, counted by)."""
         try:
-            await self._forward(replica, request, raw, client, started, release)
-        finally:
-            release()
+            replica, held, counted_by = await self._decide(request, size)
+            if self.queue.enabled and self.queue.blocked() and (limit := replica.tracker.published) is not None:
+                replica.tracker.release(held)  # the queue's order rule: behind the head that waited its turn
+                raise behind(held, counted_by, limit)
+        except _Refusal as refusal:
+            if not (self.queue.enabled and transient(refusal)):
+                raise
+            replica, held, counted_by = await self._wait(request, size, refusal, client)
+        return replica, held, counted_by
+
+    def _leave_pool(self, replica: Replica, reason: str) -> None:
+        """A replica that refused a connection leaves the pool now; its /health poll brings it back."""
+        if replica.healthy:
+            log.warning("memtel guard: replica %s leaves the pool: %s", replica.name, reason)
+        replica.healthy, replica.health_error = False, reason
 
     async def _wait(self, request: Request, size: PromptSize, refusal: _Refusal,
                     client: ServerSide) -> tuple[Replica, int, str]:
@@ -417,12 +420,20 @@ class GuardProxy:
         try:
             held, counted_by = await admit(
                 size, replica.tracker, replica.context, tokenize=lambda: self._tokenize(replica, request, size),
-                fetch_models=lambda: self._exchange(replica, "GET", MODELS_PATH, auth, b""), blind=self._blind,
-                rejected=reasons.append)
+                fetch_models=lambda: self._exchange(replica, "GET", MODELS_PATH, auth, b""),
+                blind=lambda: self._blind_admit(replica), rejected=reasons.append, at_best=self._at_best)
         except _Refusal as refusal:
             refusal.counted_as = reasons[-1] if reasons else None
             raise
         return replica, held, counted_by
+
+    def _no_replica(self) -> _Refusal:
+        why = "; ".join(f"{r.name}: {r.health_error}" for r in self.replicas)
+        refusal = _Refusal(503, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"memtel guard: no replica is healthy now "
+                                          f"({why})", 503, reason="no_replica", retryable=True),
+                           RETRY_AFTER_S["no_replica"], reason="no_replica")
+        refusal.counted_as = "no_replica"
+        return refusal
 
     def _choose(self) -> Replica:
         """The replica a completion goes to: of those in the pool (healthy, a fresh limit), the one with the most
@@ -432,12 +443,7 @@ class GuardProxy:
             return self.replicas[0]
         healthy = [r for r in self.replicas if r.healthy]
         if not healthy:
-            why = "; ".join(f"{r.name}: {r.health_error}" for r in self.replicas)
-            refusal = _Refusal(503, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"memtel guard: no replica is healthy "
-                                               f"now ({why})", 503, reason="no_replica", retryable=True),
-                               RETRY_AFTER_S["no_replica"], reason="no_replica")
-            refusal.counted_as = "no_replica"
-            raise refusal
+            raise self._no_replica()
         sized = [(limit.tokens, r) for r in healthy if (limit := r.tracker.limit()) is not None]
         if not sized:
             return healthy[0]
@@ -464,10 +470,9 @@ class GuardProxy:
     async def watch_health(self, poll_s: float, timeout_s: float) -> None:
         """Poll every replica's /health every `poll_s`: one that fails leaves the pool, and comes back when it
         answers 200 again (the queue is woken then)."""
-        targets = [HookTarget(f"{r.upstream.url}/health", r.upstream.host, r.upstream.port, "/health",
-                              r.upstream.tls) for r in self.replicas]
+        targets = [r.upstream.at(r.upstream.port, "/health") for r in self.replicas]
 
-        async def one(replica: Replica, target: HookTarget) -> None:
+        async def one(replica: Replica, target: Endpoint) -> None:
             try:
                 await fetch_metrics(target, timeout_s)
             except (OSError, asyncio.TimeoutError, UpstreamError) as exc:
@@ -485,6 +490,21 @@ class GuardProxy:
             started = time.monotonic()
             await asyncio.gather(*(one(r, t) for r, t in zip(self.replicas, targets, strict=True)))
             await asyncio.sleep(max(0.0, poll_s - (time.monotonic() - started)))
+
+    def _at_best(self) -> tuple[AtBest | None, str | None]:
+        """The deployment's at-best limit (the best replica's, known only where every replica's is) and why not."""
+        return deployment_at_best([r.tracker for r in self.replicas])
+
+    def _at_best_tokens(self) -> int | None:
+        found = self._at_best()[0]
+        return None if found is None else found.tokens
+
+    def _blind_admit(self, replica: Replica) -> tuple[int, str]:
+        """Blind: --when-blind decides; an admitted one is in flight on `replica` like any other (its release
+        comes with its first byte), so a snapshot meanwhile is not taken for an idle rank's (at_best.py)."""
+        decided = self._blind()
+        replica.tracker.hold(0)
+        return decided
 
     def _blind(self) -> tuple[int, str]:
         if self.when_blind == "admit":
@@ -529,7 +549,7 @@ class GuardProxy:
     async def _exchange(self, replica: Replica, method: str, path: str, headers: list[tuple[str, str]],
                         body: bytes) -> tuple[int, bytes]:
         """One request to the upstream, its whole answer read (for /tokenize: a few MB at most)."""
-        headers = [("Host", replica.upstream.host_header), *headers]
+        headers = [("Host", replica.upstream.host_port), *headers]
         side, reused = await replica.pool.get()
         try:
             side, response = await self._send(replica, side, reused, method, path, headers, body)
@@ -560,20 +580,23 @@ class GuardProxy:
             raise
 
     async def _forward(self, replica: Replica, request: Request, body: bytes, client: ServerSide, started: float,
-                       first_byte: Callable[[], None] | None) -> None:
+                       first_byte: Callable[[], None] | None, *, unreachable_raises: bool = False) -> None:
         """Send the request upstream re-framed, relay the answer; the upstream connection is pooled again
-        only when the whole answer was read and reached the client."""
-        headers = [("Host", replica.upstream.host_header), *end_to_end(request.headers)]
-        self.metrics.count(catalogue.GUARD_REPLICA_FORWARDED, replica.name)
+        only when the whole answer was read and reached the client. An upstream that cannot be reached is a 502,
+        or _Unreachable (nothing sent anywhere yet) with `unreachable_raises`."""
+        headers = [("Host", replica.upstream.host_port), *end_to_end(request.headers)]
         try:
             side, reused = await replica.pool.get()
         except (OSError, asyncio.TimeoutError) as exc:
             self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "connect")
             reason = getattr(exc, "strerror", None) or type(exc).__name__
+            if unreachable_raises:
+                raise _Unreachable(f"cannot connect: {reason}") from None
             await self._answer(client, 502, error_body(GUARD_UPSTREAM_UNAVAILABLE,
                                                        f"memtel guard: cannot reach the upstream {replica.name}: "
                                                        f"{reason}", 502))
             return
+        self.metrics.count(catalogue.GUARD_REPLICA_FORWARDED, replica.name)
         self.metrics.observe_added(time.perf_counter() - started)
         try:
             side, response = await self._send(replica, side, reused, request.method, request.target, headers, body)
@@ -630,4 +653,4 @@ def _body_error(exc: BaseException) -> str:
     return f"malformed JSON in the request body: {what}; expected a JSON object"  # int()'s advice is not the client's
 
 
-__all__ = ["GUARDED", "PASS_THROUGH", "WHEN_BLIND", "GuardLimits", "GuardProxy", "Replica", "Upstream", "error_body"]
+__all__ = ["GUARDED", "PASS_THROUGH", "WHEN_BLIND", "GuardLimits", "GuardProxy", "Replica", "error_body"]

@@ -13,9 +13,12 @@ turn. The pump walks the waiters in arrival order (FIFO) against the room of eac
   in prefill (over its rank's limit at rest) blocks nobody: draining the holds cannot make it fit, only memory
   freeing can, and the others would wait for that in vain.
 
-A woken waiter runs the whole admission again (the limit may have moved since); refused again as transient, it
-keeps its place and waits on. Each waiter waits at most `queue_s` in all, and leaves at once when its client
-closes the connection (`Channel.gone`). Outcomes, depth and wait times go to the guard's metrics.
+A waiter whose count proves it over the deployment's at-best limit (`at_best()`, once that is known: at_best.py)
+is woken too, wherever it stands: decided again, it gets the permanent 400 and leaves the queue (outcome
+`refused`) instead of waiting in vain. A woken waiter runs the whole admission again (the limit may have moved
+since); refused again as transient, it keeps its place and waits on. Each waiter waits at most `queue_s` in all,
+and leaves at once when its client closes the connection (`Channel.gone`). Outcomes, depth and wait times go to
+the guard's metrics.
 """
 
 from __future__ import annotations
@@ -43,10 +46,11 @@ class ClientLeft(Exception):
 
 
 class _Waiter:
-    __slots__ = ("since", "tokens", "trying", "wake")
+    __slots__ = ("proven", "since", "tokens", "trying", "wake")
 
-    def __init__(self, tokens: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, tokens: int, loop: asyncio.AbstractEventLoop, proven: bool = False) -> None:
         self.tokens = tokens
+        self.proven = proven  # `tokens` is a count or a lower bound (not a byte bound): it can prove a misfit
         self.since = time.monotonic()
         self.trying = False  # woken, being decided again
         self.wake: asyncio.Future[None] = loop.create_future()
@@ -57,12 +61,14 @@ class GuardQueue:
     nothing in prefill."""
 
     def __init__(self, queue_s: float, max_queued: int, metrics: GuardMetrics,
-                 room: Callable[[], list[tuple[int, int]]]) -> None:
+                 room: Callable[[], list[tuple[int, int]]], at_best: Callable[[], int | None] = lambda: None) -> None:
+        """room: see the class; at_best: the deployment's at-best tokens where known (at_best.py), else None."""
         self.queue_s = queue_s
         self.max_queued = max_queued
         self.pass_s = queue_s * PASS_FRACTION
         self.metrics = metrics
         self.room = room
+        self.at_best = at_best
         self._waiters: list[_Waiter] = []
         self._scheduled = False
 
@@ -94,8 +100,14 @@ class GuardQueue:
             return
         rooms = [tokens for tokens, _rest in found]
         at_rest = max(rest for _tokens, rest in found)
+        ceiling = self.at_best()
         now = time.monotonic()
         for waiter in self._waiters:
+            if ceiling is not None and waiter.proven and waiter.tokens > ceiling and not waiter.trying:
+                waiter.trying = True  # over what the deployment can ever take: decided again, it leaves with the 400
+                if not waiter.wake.done():
+                    waiter.wake.set_result(None)
+                continue
             best = max(range(len(rooms)), key=rooms.__getitem__)
             if waiter.trying:  # being decided on the room it was woken for: keep that room for it
                 rooms[best] -= waiter.tokens
@@ -116,7 +128,7 @@ class GuardQueue:
             self.metrics.count(catalogue.GUARD_QUEUE_OUTCOMES, "queue_full")
             raise QueueFull
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(tokens, loop)
+        waiter = _Waiter(tokens, loop, proves(refusal))
         self._waiters.append(waiter)
         self.metrics.queue_depth = len(self._waiters)
         deadline = waiter.since + self.queue_s
@@ -139,7 +151,7 @@ class GuardQueue:
                     if not transient(again):
                         outcome = "refused"
                         raise
-                    refusal, waiter.tokens = again, needed(again, waiter.tokens)
+                    refusal, waiter.tokens, waiter.proven = again, needed(again, waiter.tokens), proves(again)
                     waiter.trying, waiter.wake = False, loop.create_future()
                     self.kick()
                     continue
@@ -157,10 +169,16 @@ def transient(refusal: Refusal) -> bool:
     return refusal.status == 503 and refusal.reason in ("would_not_fit", "in_prefill", "no_replica")
 
 
+def proves(refusal: Refusal) -> bool:
+    """Whether the refusal's count can prove a prompt over a limit (an exact count or a lower bound by words; a
+    byte bound is an upper bound and proves nothing)."""
+    return refusal.body.get("error", {}).get("prompt_tokens_counted_by") in ("token_ids", "tokenize", "words")
+
+
 def needed(refusal: Refusal, default: int) -> int:
     """The tokens a refused prompt needs (its count, or its lower bound by words), from the refusal's body."""
     tokens = refusal.body.get("error", {}).get("prompt_tokens")
     return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else default
 
 
-__all__ = ["OUTCOMES", "PASS_FRACTION", "ClientLeft", "GuardQueue", "QueueFull", "needed", "transient"]
+__all__ = ["OUTCOMES", "PASS_FRACTION", "ClientLeft", "GuardQueue", "QueueFull", "needed", "proves", "transient"]

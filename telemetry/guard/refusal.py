@@ -1,16 +1,23 @@
 """The guard's refusals, said the way OpenAI clients understand them: permanent (400) or transient (503).
 
-- **Permanent**: the prompt has at least the engine's max-model-len tokens (the engine refuses a prompt
-  that leaves no room for an output token too). No wait can help: 400 in OpenAI's error shape, `type`
-  `invalid_request_error`, `code` `context_length_exceeded` (what OpenAI answers for a prompt over the
-  context), no `Retry-After`, and `x-should-retry: false` (the OpenAI SDKs read it before the status).
-  Max-model-len is read from the upstream's `/v1/models` (vLLM and the lab put `max_model_len` in each
-  model card), once a minute at most and only when a prompt is over the limit. Where the guard does not
-  know it, or the memory limit is above it, the engine's own 400 reaches the client.
-  "More than a rank could take at best" (with only its resident memory and an empty cache) would be
-  permanent too, but no hook exports that figure, so only max-model-len decides permanence.
-- **Transient**: the prompt is within max-model-len but over the limit in force now (the rank's longest
-  fitting prefill, less what admitted prefills hold): 503 with `Retry-After` and `x-should-retry: true`.
+- **Permanent**: no wait can help. 400 in OpenAI's error shape, `type` `invalid_request_error`, `code`
+  `context_length_exceeded`, no `Retry-After`, and `x-should-retry: false` (the OpenAI SDKs read it before the
+  status). Two causes, told apart by `reason` and `limit_at_best_from`:
+  - the prompt has at least the engine's max-model-len tokens (the engine refuses a prompt that leaves no
+    room for an output token too): `reason` `context_length_exceeded`. Max-model-len is read from the
+    upstream's `/v1/models` (vLLM and the lab put `max_model_len` in each model card), once a minute at most
+    and only when a prompt is over the limit. Where the guard does not know it, or the memory limit is above
+    it, the engine's own 400 reaches the client;
+  - the prompt has more tokens than the deployment could take at best, with only its resident memory and an
+    empty cache (`memtel_forecast_max_prefill_tokens_at_best`, read only where it can be trusted: at_best.py):
+    `reason` `exceeds_memory_at_best`. The `code` is OpenAI's `context_length_exceeded` all the same: it is what
+    clients test to trim a prompt and try again, which is exactly the cure (a memtel-specific code would leave
+    them treating it as an unknown error), and for this deployment the memory is the context limit. The
+    message, `reason` and `limit_at_best_from: memory` say it is memory, with the rank and node that set it.
+  A count by bytes (an upper bound) never proves a prompt permanent.
+- **Transient**: the prompt is within both but over the limit in force now (the rank's longest fitting
+  prefill, less what admitted prefills hold), or the at-best limit is unknown (a hook without the gauge, stale,
+  only measured during the guard's own prefills): 503 with `Retry-After` and `x-should-retry: true`.
 
 Every refusal's body names the prompt's tokens and how they were counted, the limit now and at best, the
 rank and node that set it, and the forecast against the budget in words that cannot be read the wrong way
@@ -30,10 +37,12 @@ from typing import TYPE_CHECKING, Any
 from telemetry.catalogue.fields import GUARD_BAD_REQUEST, GUARD_WOULD_NOT_FIT
 
 if TYPE_CHECKING:
+    from telemetry.guard.at_best import AtBest
     from telemetry.guard.limit import Limit
     from telemetry.guard.prompt import PromptSize
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+EXCEEDS_MEMORY_AT_BEST = "exceeds_memory_at_best"  # the `reason` of a permanent refusal by memory
 INVALID_REQUEST = "invalid_request_error"  # OpenAI's `type` for a request no retry can make succeed
 RETRY_AFTER_S = {"would_not_fit": 10, "in_prefill": 1, "blind": 5, "no_replica": 5}
 SHOULD_RETRY = "x-should-retry"
@@ -133,26 +142,41 @@ def parse_models(data: bytes) -> dict[str, int]:
     return found
 
 
-def undecided(size: PromptSize, tokens: int, counted_by: str, max_model_len: int | None) -> bool:
-    """Counted by words, the prompt may or may not reach max-model-len: only the engine's count says whether
-    the refusal is permanent (worth one /tokenize, so a client neither retries in vain nor gives up wrongly),
-    for a prompt of up to DECIDE_BY_TOKENIZE_BYTES of text."""
-    return (counted_by == "words" and max_model_len is not None and size.tokenize_body is not None
-            and tokens < max_model_len and (size.engine_only is not None or size.most_tokens >= max_model_len)
+def permanent_from(max_model_len: int | None, at_best: AtBest | None) -> int | None:
+    """The fewest tokens no wait can make fit: max-model-len, or one more than the at-best limit; None: unknown."""
+    found = [n for n in (max_model_len, None if at_best is None else at_best.tokens + 1) if n is not None]
+    return min(found) if found else None
+
+
+def undecided(size: PromptSize, tokens: int, counted_by: str, max_model_len: int | None,
+              at_best: AtBest | None = None) -> bool:
+    """Counted by words, the prompt may or may not reach max-model-len (or exceed the at-best limit): only the
+    engine's count says whether the refusal is permanent (worth one /tokenize, so a client neither retries in
+    vain nor gives up wrongly), for a prompt of up to DECIDE_BY_TOKENIZE_BYTES of text."""
+    bound = permanent_from(max_model_len, at_best)
+    return (counted_by == "words" and bound is not None and size.tokenize_body is not None
+            and tokens < bound and (size.engine_only is not None or size.most_tokens >= bound)
             and sum(len(t) for t in size.texts) <= DECIDE_BY_TOKENIZE_BYTES)
 
 
-def refusal_for(tokens: int, counted_by: str, limit: Limit, max_model_len: int | None, param: str) -> Refusal:
-    """The refusal of a prompt of `tokens` (a count or, by words, a lower bound) over `limit`."""
+def refusal_for(tokens: int, counted_by: str, limit: Limit, max_model_len: int | None, param: str,
+                at_best: AtBest | None = None, at_best_unknown: str | None = None) -> Refusal:
+    """The refusal of a prompt of `tokens` (a count or, by words, a lower bound) over `limit`; `at_best`: the
+    deployment's at-best limit where it is trusted (at_best.py), else None and `at_best_unknown` says why."""
     fit = limit.fit
     at_least = {"words": "at least ", "byte_bound": "at most "}.get(counted_by, "")
     counted = f"{at_least}{tokens:,} tokens (counted by {counted_by})"
-    common = {
+    by_memory = at_best is not None and (max_model_len is None or at_best.tokens < max_model_len)
+    best_tokens = at_best.tokens if by_memory and at_best is not None else max_model_len
+    common: dict[str, Any] = {
         "prompt_tokens": tokens, "prompt_tokens_counted_by": counted_by, "limit_tokens": limit.tokens,
-        "limit_tokens_at_best": max_model_len, "limit_at_best_from": "max_model_len" if max_model_len else None,
+        "limit_tokens_at_best": best_tokens,
+        "limit_at_best_from": "memory" if by_memory else "max_model_len" if max_model_len else None,
         "max_prefill_tokens": limit.rank_tokens, "in_prefill_tokens": limit.in_prefill_tokens,
         "node": fit.node, "rank": fit.rank, "hook": limit.hook,
     }
+    if by_memory and at_best is not None:
+        common.update(at_best_node=at_best.node, at_best_rank=at_best.rank, at_best_hook=at_best.hook)
     if max_model_len is not None and tokens >= max_model_len and counted_by != "byte_bound":
         message = (f"memtel guard: This model's maximum context length is {max_model_len:,} tokens. However, your "
                    f"prompt contains {counted}, which "
@@ -162,14 +186,28 @@ def refusal_for(tokens: int, counted_by: str, limit: Limit, max_model_len: int |
         body = error_body(INVALID_REQUEST, message, CONTEXT_LENGTH_EXCEEDED, param=param,
                           reason=CONTEXT_LENGTH_EXCEEDED, retryable=False, max_model_len=max_model_len, **common)
         return Refusal(400, body, None, should_retry=False, reason=CONTEXT_LENGTH_EXCEEDED)
+    if at_best is not None and tokens > at_best.tokens and counted_by != "byte_bound":
+        message = (f"memtel guard: the prompt has {counted}, more than this deployment can ever take: at best "
+                   f"{at_best.tokens:,} tokens, what rank {at_best.rank} on node {at_best.node} could take with only "
+                   f"its resident memory and an empty cache (the best of the replicas; the engine's max-model-len "
+                   f"is {'unknown' if max_model_len is None else f'{max_model_len:,}'}); no retry can succeed: "
+                   f"shorten the prompt (it can take {limit.tokens:,} tokens now)")
+        body = error_body(INVALID_REQUEST, message, CONTEXT_LENGTH_EXCEEDED, param=param,
+                          reason=EXCEEDS_MEMORY_AT_BEST, retryable=False, max_model_len=max_model_len, **common)
+        return Refusal(400, body, None, should_retry=False, reason=EXCEEDS_MEMORY_AT_BEST)
     reason = "would_not_fit" if tokens > limit.rank_tokens else "in_prefill"
     now = (f"rank {fit.rank} on node {fit.node} can take a prefill of at most {limit.rank_tokens:,} tokens now"
            if reason == "would_not_fit" else
            f"it fits rank {fit.rank} on node {fit.node} ({limit.rank_tokens:,} tokens) alone, but not beside the "
            f"{limit.in_prefill_tokens:,} tokens of admitted requests still in their prefill")
-    best = (f"at best {max_model_len:,} tokens (the engine's max-model-len; no hook exports what a rank takes with "
-            "an empty cache)" if max_model_len else "at best: unknown (the upstream's /v1/models names no "
-            "max_model_len)")
+    if by_memory and at_best is not None:
+        best = (f"at best {at_best.tokens:,} tokens (what rank {at_best.rank} on node {at_best.node} could take with "
+                "an empty cache)")
+    else:
+        unknown = f"the at-best memory limit is unknown: {at_best_unknown or 'not read'}" if at_best is None else \
+            "the at-best memory limit is above it"
+        best = (f"at best {max_model_len:,} tokens (the engine's max-model-len; {unknown})" if max_model_len else
+                f"at best: unknown (the upstream's /v1/models names no max_model_len; {unknown})")
     forecast_line = forecast_words(tokens, limit)
     message = (f"memtel guard: the prompt has {counted} and does not fit now: {now}; {best}; {forecast_line}; "
                f"retry in {RETRY_AFTER_S[reason]} s or shorten the prompt")
@@ -239,6 +277,6 @@ def _int_or_none(value: float | None) -> int | None:
     return int(value) if value is not None and value == value and abs(value) != float("inf") else None
 
 
-__all__ = ["CONTEXT_LENGTH_EXCEEDED", "INVALID_REQUEST", "MODELS_PATH", "RETRY_AFTER_S", "SHOULD_RETRY",
-           "ContextLength", "Refusal", "behind", "error_body", "forecast_words", "parse_models", "refusal_for",
-           "uncountable", "undecided"]
+__all__ = ["CONTEXT_LENGTH_EXCEEDED", "EXCEEDS_MEMORY_AT_BEST", "INVALID_REQUEST", "MODELS_PATH", "RETRY_AFTER_S",
+           "SHOULD_RETRY", "ContextLength", "Refusal", "behind", "error_body", "forecast_words", "parse_models",
+           "permanent_from", "refusal_for", "uncountable", "undecided"]

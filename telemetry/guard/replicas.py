@@ -17,29 +17,28 @@ import os
 from typing import Any
 
 from telemetry.errors import ConfigError
-from telemetry.guard.limit import HookTarget
-from telemetry.guard.proxy import Upstream
 from telemetry.safeyaml import load_yaml_file
+from telemetry.scrape import Endpoint, parse_base_url, parse_url
 
 MAX_HOOKS = 64  # per replica
 MAX_REPLICAS = 16
 REPLICA_EXPECTED = "expected URL=HOOK[,HOOK...], e.g. http://10.0.0.1:8000=http://10.0.0.1:9200"
 YAML_EXPECTED = "expected `replicas:`, a list of {upstream: URL, hooks: [URL, ...]}"
 
-Spec = tuple[Upstream, list[HookTarget]]
+Spec = tuple[Endpoint, list[Endpoint]]  # (the engine's base URL, its ranks' hook exporters)
 
 
-def hook_targets(text: str, flag: str = "--hooks") -> list[HookTarget]:
+def hook_targets(text: str, flag: str = "--hooks") -> list[Endpoint]:
     """The hook URLs of one engine, comma-separated; at least one, none twice."""
     items = [item.strip() for item in text.split(",")]
     if not text.strip() or any(not item for item in items):
         raise ConfigError(f"{flag}: {text[:80]!r}: expected one or more hook URLs separated by commas")
     if len(items) > MAX_HOOKS:
         raise ConfigError(f"{flag}: {len(items)} URLs; at most {MAX_HOOKS}")
-    return _distinct([HookTarget.parse(item, flag) for item in items], flag)
+    return _distinct([parse_url(item, flag) for item in items], flag)
 
 
-def _distinct(targets: list[HookTarget], flag: str) -> list[HookTarget]:
+def _distinct(targets: list[Endpoint], flag: str) -> list[Endpoint]:
     if len({t.url for t in targets}) != len(targets):
         raise ConfigError(f"{flag}: a hook URL is given twice")
     return targets
@@ -50,7 +49,7 @@ def replica_flag(text: str) -> Spec:
     upstream, sep, hooks = text.partition("=")
     if not sep or not upstream.strip() or not hooks.strip():
         raise ConfigError(f"--replica: {text[:80]!r}: {REPLICA_EXPECTED}")
-    return Upstream.parse(upstream, "--replica"), hook_targets(hooks, "--replica")
+    return parse_base_url(upstream, "--replica"), hook_targets(hooks, "--replica")
 
 
 def replicas_file(path: str | os.PathLike[str]) -> list[Spec]:
@@ -74,7 +73,7 @@ def replicas_file(path: str | os.PathLike[str]) -> list[Spec]:
         if not isinstance(hooks, list) or not hooks or not all(isinstance(h, str) for h in hooks) \
                 or len(hooks) > MAX_HOOKS:
             raise ConfigError(f"{at}: hooks must be a list of 1 to {MAX_HOOKS} hook URLs")
-        specs.append((Upstream.parse(upstream, at), _distinct([HookTarget.parse(h, at) for h in hooks], at)))
+        specs.append((parse_base_url(upstream, at), _distinct([parse_url(h, at) for h in hooks], at)))
     return specs
 
 
@@ -96,7 +95,7 @@ def engines(upstream: str | None, hooks: str | None, replica: list[str] | None,
                               "(several): none given")
         if hooks is None:
             raise ConfigError("--hooks: required with --upstream (the engine's ranks' hook exporters)")
-        return [(Upstream.parse(upstream), hook_targets(hooks))]
+        return [(parse_base_url(upstream, "--upstream"), hook_targets(hooks))]
     specs = [replica_flag(text) for text in replica] if replica else replicas_file(replicas or "")
     if len(specs) > MAX_REPLICAS:
         raise ConfigError(f"--replica: {len(specs)} replicas; at most {MAX_REPLICAS}")

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from telemetry.allocator_counters import FIELDS, AllocatorCounters
+from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import ConfigError
 
 log = logging.getLogger("memtel.hook")
@@ -103,8 +104,8 @@ class CudaAllocatorReader:
             binding = torch.cuda.memory_stats
             kind = PUBLIC_MEMORY_STATS
             log.warning("memtel: torch %s has no %s: reading the allocator through %s instead (same counters, "
-                        "about 10x slower per hooked call; memtel_hook_allocator_reader_info{reader=%r})",
-                        getattr(torch, "__version__", "?"), NESTED_BINDING, PUBLIC_MEMORY_STATS, kind)
+                        "about 10x slower per hooked call; %s{reader=%r})", getattr(torch, "__version__", "?"),
+                        NESTED_BINDING, PUBLIC_MEMORY_STATS, catalogue.HOOK_ALLOCATOR_READER_INFO.series, kind)
         self._device = torch.cuda.current_device()
         self.device = f"cuda:{self._device}"
         self._public = kind == PUBLIC_MEMORY_STATS

@@ -32,7 +32,7 @@ from typing import Any
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from telemetry.catalogue import metrics
+from telemetry.catalogue import described, metrics
 from telemetry.engines import ENGINES
 from telemetry.hook import allocator
 from telemetry.hook.rank import resolve_rank
@@ -282,8 +282,9 @@ class EngineCollector(Collector):
         self.tracker = tracker
         self.state = state
 
-    def describe(self) -> Iterator[Metric]:
-        return iter(())   # names only: registering never runs collect() (no rank resolved at install)
+    def describe(self) -> list[Metric]:
+        """The catalogue's engine families: registering never runs collect() (no rank resolved at install)."""
+        return described("engine")
 
     def now(self) -> ProcessNow | None:
         """What the process holds now; None where there is no engine to describe (no engine signal has

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from telemetry.allocator_counters import AllocatorCounters
+from telemetry.catalogue import metrics as catalogue
 from telemetry.hook.call_log import log_file_name, segment_file_name  # file names, beside the log's reader
 from telemetry.hook.line_format import NS_PER_S, SiteLine
 from telemetry.hook.state import QUEUE_FULL, WRITE_FAILED, HookState
@@ -270,9 +271,9 @@ class CallLogWriter:
         if now - self._last_warning < WARNING_INTERVAL_S:
             return
         self._last_warning = now
-        log.warning("memtel: call log %s: %s; %d records dropped since the last such line "
-                    "(memtel_hook_log_dropped_records_total); the hook goes on, this line repeats at most once "
-                    "a minute", self.path, what, self._unreported)
+        log.warning("memtel: call log %s: %s; %d records dropped since the last such line (%s); the hook goes on, "
+                    "this line repeats at most once a minute", self.path, what, self._unreported,
+                    catalogue.HOOK_LOG_DROPPED_RECORDS.series)
         self._unreported = 0
 
     def close(self, timeout: float = 5.0) -> None:

@@ -7,7 +7,7 @@ initialized (vLLM's or SGLang's world group: SGLang's is a copy of vLLM's, and i
 scheduler's `gpu_id`), else the RANK/LOCAL_RANK environment variables, else, under `memtel run`, the
 process's order among the run's processes that started their hook (telemetry/hook/run_order.py), else 0.
 The local rank (the exporter's port offset) is the engine's, else LOCAL_RANK, else the rank.
-Nothing is imported here: modules are looked up in sys.modules.
+No engine is imported here: its modules are looked up in sys.modules.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from telemetry.engines import ENGINES
+
 # Engines whose world group (`parallel_state._WORLD`, a GroupCoordinator with `rank` and `local_rank`) names
-# the rank: the label of the rank's source, and the module.
-ENGINE_WORLDS = (("vllm", "vllm.distributed.parallel_state"), ("sglang", "sglang.srt.distributed.parallel_state"))
+# the rank: the label of the rank's source, and the module (each engine's `world`, telemetry/engines/).
+ENGINE_WORLDS = tuple((engine.name, engine.world) for engine in ENGINES if engine.world is not None)
 RUN_DIR_ENV = "MEMTEL_RUN_DIR"   # set by memtel run (telemetry/hook/run_order.py)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
+from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import ConfigError
 from telemetry.hook import allocator, passthrough, presets
 from telemetry.hook.collector import HookCollector
@@ -431,7 +432,7 @@ class HookSession:
             log.warning("memtel: %d of %d hook targets not resolved %s in pid %d, nothing is recorded for them: %s. "
                         "Check the names against this program's version (docs/hook.md, \"Unresolved targets\")%s",
                         len(unresolved), len(self.state.targets), when, os.getpid(), details,
-                        "; memtel_hook_unresolved_targets shows them" if start else "")
+                        f"; {catalogue.HOOK_UNRESOLVED_TARGETS.series} shows them" if start else "")
         if start:
             self.start_process()
         return unresolved

@@ -17,13 +17,13 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from telemetry.errors import printable
 from telemetry.ledger.cli import SECONDS, could_not_read, url_list
 from telemetry.ledger.render import PROCESS_HEADER, SORTS, node_block, process_row, size
 from telemetry.ledger.scrape import DEFAULT_DAEMON, LedgerReport, NodeView, Scrape, scrape_all, take_report
 from telemetry.ledger.stall import EngineState, StallWatch, engine_numbers
+from telemetry.scrape import METRICS_PATH, Endpoint, parse_url
 from telemetry.scrape.ports import LAB_PORT
 
 TREND_WINDOW_S = 10.0
@@ -90,7 +90,7 @@ class History:
         for engine in engines:
             if engine.error is None:
                 node = _node_of(report, engine.url)
-                key = node.name if node is not None else urlsplit(engine.url).hostname or engine.url
+                key = node.name if node is not None else parse_url(engine.url).host
                 placed.setdefault(key, (node, []))[1].append(engine)
         states: dict[str, EngineState] = {}
         for key, (node, answered) in placed.items():
@@ -113,12 +113,12 @@ class History:
 
 def _node_of(report: LedgerReport, url: str) -> NodeView | None:
     """The node an engine's URL belongs to: the one whose daemon, else one of whose hooks, has the same host."""
-    host = urlsplit(url).hostname
+    host = parse_url(url).host
     for node in report.nodes:
-        if node.daemon_url and urlsplit(node.daemon_url).hostname == host:
+        if node.daemon_url and parse_url(node.daemon_url).host == host:
             return node
     for node in report.nodes:
-        if any(urlsplit(h.url).hostname == host for h in node.hooks):
+        if any(parse_url(h.url).host == host for h in node.hooks):
             return node
     return None
 
@@ -180,8 +180,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def take_frame(args: argparse.Namespace, timeout: float) -> tuple[LedgerReport, list[Scrape]]:
     """The ledger's report and the engines' /metrics, read side by side within `timeout`. With no --engines,
     only the engines that answer on the default port are kept."""
-    hosts = dict.fromkeys(urlsplit(u).netloc.rsplit(":", 1)[0] for u in args.daemon)
-    urls = args.engines if args.engines is not None else [f"http://{h}:{DEFAULT_ENGINE_PORT}/metrics" for h in hosts]
+    hosts = dict.fromkeys(parse_url(u).host for u in args.daemon)
+    urls = (args.engines if args.engines is not None
+            else [Endpoint("http", h, DEFAULT_ENGINE_PORT, METRICS_PATH).url for h in hosts])
     with ThreadPoolExecutor(max_workers=1) as pool:
         engines = pool.submit(scrape_all, urls, timeout)
         report = take_report(args.daemon, args.hooks, timeout_s=timeout)

@@ -22,14 +22,16 @@ from typing import Any
 
 import httpx
 
-from telemetry.errors import ConfigError
-from telemetry.guard.limit import MAX_METRICS_BYTES, HookState, HookTarget, Limit, LimitTracker, parse_hook
+from telemetry.errors import ConfigError, shown
+from telemetry.guard.limit import MAX_METRICS_BYTES, HookState, Limit, LimitTracker, parse_hook
 from telemetry.guard.refusal import ContextLength
+from telemetry.scrape import Endpoint, parse_url
 
 HOOKS_KEY = "memtel_hooks"
 PIN_KEY = "memtel_deployment"  # the request's metadata: the deployment the pre-call hook admitted it to
 ENV = {"hold_s": "MEMTEL_LITELLM_HOLD_S", "stale_s": "MEMTEL_LITELLM_STALE_S",
        "reserve_mb": "MEMTEL_LITELLM_RESERVE_MB", "timeout_s": "MEMTEL_LITELLM_TIMEOUT_S"}
+EXPECTED = {"hold_s": "seconds >= 0", "stale_s": "seconds > 0", "reserve_mb": "MiB >= 0", "timeout_s": "seconds > 0"}
 
 
 @dataclass(frozen=True)
@@ -57,13 +59,13 @@ class GateSettings:
             except ValueError:
                 value = float("nan")
             if not value >= 0 or value == float("inf") or (name in ("stale_s", "timeout_s") and value == 0):
-                raise ConfigError(f"{variable}={text[:40]!r}: expected a finite number of "
-                                  f"{'seconds > 0' if name in ('stale_s', 'timeout_s') else 'seconds or MiB >= 0'}")
+                raise ConfigError(f"{variable}={shown(text)}: expected a finite number of {EXPECTED[name]} "
+                                  f"(default {getattr(cls, name):g})")
             values[name] = value
         return cls(**values)
 
 
-def deployment_hooks(deployment: Mapping[str, Any]) -> tuple[HookTarget, ...]:
+def deployment_hooks(deployment: Mapping[str, Any]) -> tuple[Endpoint, ...]:
     """The hooks a deployment names in `model_info.memtel_hooks` (a list of URLs or one comma-separated string)."""
     raw = (deployment.get("model_info") or {}).get(HOOKS_KEY)
     if raw is None:
@@ -71,7 +73,7 @@ def deployment_hooks(deployment: Mapping[str, Any]) -> tuple[HookTarget, ...]:
     items = raw.split(",") if isinstance(raw, str) else raw
     if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
         raise ConfigError(f"model_info.{HOOKS_KEY}: expected a list of hook URLs, got {type(raw).__name__}")
-    return tuple(HookTarget.parse(item) for item in items if item.strip())
+    return tuple(parse_url(item, f"model_info.{HOOKS_KEY}") for item in items if item.strip())
 
 
 def deployment_id(deployment: Mapping[str, Any]) -> str | None:
@@ -125,7 +127,7 @@ class GaugeBook:
             self.close()
             self._loop = loop
 
-    def tracker(self, hooks: tuple[HookTarget, ...]) -> tuple[LimitTracker, bool]:
+    def tracker(self, hooks: tuple[Endpoint, ...]) -> tuple[LimitTracker, bool]:
         """The hooks' tracker, and whether it is new (its first scrape has not been awaited)."""
         self._for_loop()
         key = tuple(h.url for h in hooks)
@@ -167,10 +169,8 @@ async def scrape(client: httpx.AsyncClient, tracker: LimitTracker, hook: HookSta
     """One scrape of one hook, recorded in the tracker as `memtel guard` records it."""
     target = hook.target
     headers = {"Authorization": target.authorization} if target.authorization else {}
-    scheme = "https" if target.tls else "http"
-    host = f"[{target.host}]" if ":" in target.host else target.host
     try:
-        answer = await client.get(f"{scheme}://{host}:{target.port}{target.path}", headers=headers)
+        answer = await client.get(target.url, headers=headers)
         if answer.status_code != 200:
             raise ValueError(f"answered HTTP {answer.status_code}")
         if len(answer.content) > MAX_METRICS_BYTES:

@@ -4,30 +4,41 @@ For a completion or chat request to a model group whose deployments name memtel 
 prompt (telemetry/guard/prompt.py), takes the deployment that can take the most now (gauges.roomiest) and
 decides with the guard's own `admit` (telemetry/guard/admission.py): admitted, it pins the request to that
 deployment (metadata `memtel_deployment`, read by routing.py) and holds its tokens until LiteLLM logs the
-call's end; a permanent misfit is answered at once with the guard's 400 (`x-should-retry: false`); a
+call's end; a permanent misfit (over max-model-len, or over the model group's at-best limit by the guard's rule:
+telemetry/guard/at_best.py) is answered at once with the guard's 400 (`x-should-retry: false`); a
 transient one waits, re-deciding every poll, up to `MEMTEL_LITELLM_HOLD_S`, then gets the guard's 503 with
-`Retry-After`. Blind (no fresh hook) it lets the request pass, as `memtel guard --when-blind admit`.
+`Retry-After`. A client that leaves while its prompt is held ends the hold at once (client.py): nothing goes
+upstream, LiteLLM logs a 499. Blind (no fresh hook) it lets the request pass, as `memtel guard --when-blind
+admit`.
 
 Configured by environment (gauges.GateSettings): MEMTEL_LITELLM_HOLD_S (10), MEMTEL_LITELLM_STALE_S (15),
-MEMTEL_LITELLM_RESERVE_MB (0), MEMTEL_LITELLM_TIMEOUT_S (2).
+MEMTEL_LITELLM_RESERVE_MB (0), MEMTEL_LITELLM_TIMEOUT_S (2). A bad value stops the proxy's start with one line
+(`settings_or_exit`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import os
+import sys
 import time
 from typing import Any
 
+from fastapi import HTTPException
+from litellm.constants import LITELLM_CLIENT_DISCONNECT_DETAIL
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException
 
+from telemetry.errors import ConfigError, printable
 from telemetry.guard.admission import admit
+from telemetry.guard.at_best import AtBest, deployment_at_best
 from telemetry.guard.limit import LimitTracker
 from telemetry.guard.prompt import CHAT_COMPLETIONS, COMPLETIONS, PromptError, measure
 from telemetry.guard.refusal import Refusal
-from telemetry.litellm import upstream
-from telemetry.litellm.gauges import PIN_KEY, GateSettings, GaugeBook, deployment_id, roomiest, upstream_root
+from telemetry.litellm import client, upstream
+from telemetry.litellm.gauges import PIN_KEY, GateSettings, GaugeBook, Room, deployment_id, roomiest, upstream_root
 from telemetry.litellm.refusals import proxy_exception_kwargs
 
 PATHS = {"completion": CHAT_COMPLETIONS, "acompletion": CHAT_COMPLETIONS,
@@ -35,7 +46,27 @@ PATHS = {"completion": CHAT_COMPLETIONS, "acompletion": CHAT_COMPLETIONS,
 # What LiteLLM adds to a request's data before the hook: never part of the client's prompt.
 _LITELLM_KEYS = ("metadata", "litellm_metadata", "proxy_server_request", "litellm_call_id", "litellm_logging_obj",
                  "secret_fields", "user_api_key_dict")
-BOOK = GaugeBook(GateSettings.from_env())  # one per proxy process: the routing strategy reads the same gauges
+CLIENT_CLOSED = 499  # LiteLLM's own status for a client that left (nginx's "client closed request")
+log = logging.getLogger("memtel.litellm")
+
+
+def settings_or_exit() -> GateSettings:
+    """The settings from MEMTEL_LITELLM_*; a bad value ends this process with one line on stderr, exit 2.
+
+    LiteLLM imports callbacks inside the app's startup, where any exception (SystemExit included) is printed
+    with its traceback by Starlette's lifespan and uvicorn; refusing every request instead would leave a proxy
+    that answers its health checks and fails all traffic. Ending the process before it serves is the one way
+    to say it in one line."""
+    try:
+        return GateSettings.from_env()
+    except ConfigError as error:
+        sys.stderr.write(f"memtel: {printable(str(error), 1000)}\n")
+        sys.stderr.flush()
+        os._exit(ConfigError.exit_code)
+
+
+BOOK = GaugeBook(settings_or_exit())  # one per proxy process: the routing strategy reads the same gauges
+client.install()  # a held prompt's client is seen leaving (in a LiteLLM proxy; nothing to do elsewhere)
 
 
 def request_body(data: dict[str, Any]) -> dict[str, Any]:
@@ -44,6 +75,14 @@ def request_body(data: dict[str, Any]) -> dict[str, Any]:
     snapshot = (data.get("proxy_server_request") or {}).get("body")
     body = snapshot if isinstance(snapshot, dict) else data
     return {k: v for k, v in body.items() if k not in _LITELLM_KEYS}
+
+
+def group_at_best(rooms: list[Room], deployments: int) -> tuple[AtBest | None, str | None]:
+    """The model group's at-best limit, as the guard's over its replicas (the permanent 400's rule, at_best.py);
+    unknown while a deployment of the group names no hooks (nothing says what it could take)."""
+    if len(rooms) != deployments:
+        return None, "a deployment of the model group names no memtel hooks"
+    return deployment_at_best([room.tracker for room in rooms])
 
 
 class MemtelPreCall(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type information
@@ -74,25 +113,36 @@ class MemtelPreCall(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no typ
         except PromptError:
             return data  # LiteLLM or the engine answers a malformed request
         settings = self.book.settings
-        deadline = time.monotonic() + settings.hold_s
-        while True:
-            room = roomiest(await self.book.rooms(deployments))
-            if room is None:
-                return data  # no deployment with hooks, or all blind: pass, as --when-blind admit
-            deployment = room.deployment
-            try:
-                tokens, _ = await admit(
-                    size, room.tracker, self.book.context(upstream_root(deployment) or ""),
-                    tokenize=functools.partial(upstream.tokenize, upstream_root(deployment) or "", deployment, size),
-                    fetch_models=functools.partial(upstream.fetch_models, upstream_root(deployment) or "", deployment,
-                                                   settings.timeout_s),
-                    blind=lambda: (0, "blind"), rejected=lambda reason: None)
-            except Refusal as refusal:
-                if refusal.retry_after is not None and time.monotonic() + settings.poll_s / 4 < deadline:
-                    await asyncio.sleep(settings.poll_s / 4)  # the gauge moves once a scrape at most
-                    continue
-                raise ProxyException(**proxy_exception_kwargs(refusal)) from None
-            break
+        started = time.monotonic()
+        deadline = started + settings.hold_s
+        gone: asyncio.Future[None] | None = None  # the client leaving, watched from the first wait on
+        try:
+            while True:
+                rooms = await self.book.rooms(deployments)
+                room = roomiest(rooms)
+                if room is None:
+                    return data  # no deployment with hooks, or all blind: pass, as --when-blind admit
+                deployment = room.deployment
+                root = upstream_root(deployment) or ""
+                try:
+                    tokens, _ = await admit(
+                        size, room.tracker, self.book.context(root),
+                        tokenize=functools.partial(upstream.tokenize, root, deployment, size),
+                        fetch_models=functools.partial(upstream.fetch_models, root, deployment, settings.timeout_s),
+                        blind=lambda: (0, "blind"), rejected=lambda reason: None,
+                        at_best=functools.partial(group_at_best, rooms, len(deployments)))
+                except Refusal as refusal:
+                    if refusal.retry_after is not None and time.monotonic() + settings.poll_s / 4 < deadline:
+                        gone = gone or asyncio.ensure_future(client.left())
+                        await asyncio.wait((gone,), timeout=settings.poll_s / 4)  # the gauge moves once a scrape
+                        if gone.done():
+                            raise self._client_left(data, started) from None
+                        continue
+                    raise ProxyException(**proxy_exception_kwargs(refusal)) from None
+                break
+        finally:
+            if gone is not None:
+                gone.cancel()
         pinned = deployment_id(deployment)
         if pinned is not None:
             metadata = data.get("metadata")
@@ -105,6 +155,14 @@ class MemtelPreCall(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no typ
         elif tokens:
             room.tracker.release(tokens)  # nothing would release it
         return data
+
+    @staticmethod
+    def _client_left(data: dict[str, Any], started: float) -> HTTPException:
+        """What ends a hold whose client left: LiteLLM's own answer to a client that left (logged as a 499
+        failure, nothing sent upstream), after one line in the proxy's log."""
+        log.warning("memtel: the client left after %.2f s held; its prompt is not sent (litellm_call_id=%s)",
+                    time.monotonic() - started, data.get("litellm_call_id"))
+        return HTTPException(status_code=CLIENT_CLOSED, detail=LITELLM_CLIENT_DISCONNECT_DETAIL)
 
     def _release(self, call_id: object) -> None:
         held = self.held.pop(call_id, None) if isinstance(call_id, str) else None
@@ -126,4 +184,4 @@ class MemtelPreCall(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no typ
 
 memtel_pre_call = MemtelPreCall()  # config.yaml: litellm_settings.callbacks: telemetry.litellm.pre_call.memtel_pre_call
 
-__all__ = ["BOOK", "PATHS", "MemtelPreCall", "memtel_pre_call", "request_body"]
+__all__ = ["BOOK", "PATHS", "MemtelPreCall", "memtel_pre_call", "request_body", "settings_or_exit"]

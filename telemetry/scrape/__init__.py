@@ -10,8 +10,8 @@ from __future__ import annotations
 from telemetry.scrape.fetch import FetchError, get, read_metrics
 from telemetry.scrape.ports import DAEMON_PORT, DEFAULT_PORTS, HOOK_PORT, LAB_PORT, hook_ports
 from telemetry.scrape.reader import Exposition, ExpositionError, Sample, parse, parse_body, series_name
-from telemetry.scrape.url import METRICS_PATH, Endpoint, parse_url, parse_url_list
+from telemetry.scrape.url import METRICS_PATH, Endpoint, parse_base_url, parse_url, parse_url_list
 
 __all__ = ["DAEMON_PORT", "DEFAULT_PORTS", "HOOK_PORT", "LAB_PORT", "METRICS_PATH", "Endpoint", "Exposition",
-           "ExpositionError", "FetchError", "Sample", "get", "hook_ports", "parse", "parse_body", "parse_url",
-           "parse_url_list", "read_metrics", "series_name"]
+           "ExpositionError", "FetchError", "Sample", "get", "hook_ports", "parse", "parse_base_url", "parse_body",
+           "parse_url", "parse_url_list", "read_metrics", "series_name"]

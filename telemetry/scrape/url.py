@@ -1,7 +1,9 @@
 """The one parser of the URLs memtel reads from: a /metrics endpoint (a daemon's, a hook's) or an engine's base
 URL. Accepted: `HOST:PORT`, `[IPv6]:PORT`, `HOST` (where the caller has a default port), and
 `http(s)://[USER:PASSWORD@]HOST[:PORT][/PATH]`; an empty path is `/metrics` unless the caller says otherwise.
-Anything else is a `ConfigError` of one line saying what was wrong and what is expected.
+An engine's base URL (`parse_base_url`: the guard's `--upstream`) is the same without a path, a query or
+credentials: the engine's paths are the caller's. Anything else is a `ConfigError` of one line saying what was
+wrong and what is expected.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ _SCHEME_PORTS = {"http": 80, "https": 443}
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOST_NAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?")
 _EXPECTED = "expected HOST:PORT or http(s)://HOST:PORT[/PATH] (an IPv6 address in brackets: [::1]:9200)"
+_EXPECTED_BASE = ("expected the engine's base URL, e.g. http://127.0.0.1:8000 or 127.0.0.1:8000 (an IPv6 address in "
+                  "brackets: [::1]:8000)")
 
 
 @dataclass(frozen=True)
@@ -71,11 +75,28 @@ def parse_url(text: str, where: str = "URL", *, default_port: int | None = None,
     """The endpoint `text` names; ConfigError (one line, starting with `where` if given) for anything else.
     Without a port, a URL with a scheme gets the scheme's (80, 443) and a bare host `default_port` (an error where
     None)."""
+    what = "a metrics URL" if default_path == METRICS_PATH else "a URL"
+    return _parse(text, where, default_port, default_path, what, _EXPECTED)
+
+
+def parse_base_url(text: str, where: str = "URL", *, default_port: int | None = None) -> Endpoint:
+    """An engine's base URL (its `path` is empty): as `parse_url`, but a path other than `/`, a query or
+    credentials are refused, since the caller adds the engine's paths and sends the client's headers."""
+    endpoint = _parse(text, where, default_port, "", "a base URL", _EXPECTED_BASE)
+    if endpoint.path or endpoint.authorization is not None:
+        extra = "credentials" if endpoint.authorization is not None else f"the path {endpoint.path[:40]!r}"
+        # (the URL without its credentials: a refusal never echoes a password)
+        raise ConfigError(f"{_at(where)}{shown(endpoint.url)} is not a base URL (it has {extra}); {_EXPECTED_BASE}")
+    return endpoint
+
+
+def _parse(text: str, where: str, default_port: int | None, default_path: str, what: str,
+           expected: str) -> Endpoint:
     if not isinstance(text, str):
-        raise ConfigError(f"{_at(where)}{shown(text)} is not a URL; {_EXPECTED}")
+        raise ConfigError(f"{_at(where)}{shown(text)} is not a URL; {expected}")
     value = text.strip()
     if not value:
-        raise ConfigError(f"{_at(where)}an empty URL; {_EXPECTED}")
+        raise ConfigError(f"{_at(where)}an empty URL; {expected}")
     has_scheme = "://" in value
     if not has_scheme:
         if value.count(":") > 1 and not value.startswith("["):
@@ -85,16 +106,15 @@ def parse_url(text: str, where: str = "URL", *, default_port: int | None = None,
         parts = urllib.parse.urlsplit(value)
         port = parts.port
     except ValueError:   # a port that is no number from 0 to 65535, brackets that do not close
-        raise ConfigError(f"{_at(where)}{shown(text)} has no valid host and port; {_EXPECTED}") from None
+        raise ConfigError(f"{_at(where)}{shown(text)} has no valid host and port; {expected}") from None
     host = parts.hostname or ""
     if parts.scheme not in _SCHEME_PORTS or not host or not _host_ok(host):
-        what = "a metrics URL" if default_path == METRICS_PATH else "a URL"
-        raise ConfigError(f"{_at(where)}{shown(text)} is not {what}; {_EXPECTED}")
+        raise ConfigError(f"{_at(where)}{shown(text)} is not {what}; {expected}")
     if port == 0:
         raise ConfigError(f"{_at(where)}{shown(text)}: port 0; expected a port from 1 to 65535")
     if port is None:
         if not has_scheme and default_port is None:
-            raise ConfigError(f"{_at(where)}{shown(text)} has no port; {_EXPECTED}")
+            raise ConfigError(f"{_at(where)}{shown(text)} has no port; {expected}")
         port = _SCHEME_PORTS[parts.scheme] if has_scheme or default_port is None else default_port
     authorization = None
     if parts.username is not None:
@@ -115,4 +135,4 @@ def parse_url_list(text: str, where: str = "URL", *, default_port: int | None = 
     return endpoints
 
 
-__all__ = ["METRICS_PATH", "Endpoint", "parse_url", "parse_url_list"]
+__all__ = ["METRICS_PATH", "Endpoint", "parse_base_url", "parse_url", "parse_url_list"]

@@ -97,7 +97,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--engine", choices=sorted(ENGINES), default=None,
                         help="whose switches to search and print (default vllm)")
     engine.add_argument("--preset", default=None, metavar="NAME",
-                        help="the engine by its hook preset: vllm-sparse-indexer, sglang-sparse-indexer, lab-indexer")
+                        help="the engine by its hook preset: "
+                        + ", ".join(e.tuning.preset for e in ENGINES.values() if e.tuning))
     add_shape_arguments(parser, fixed_width=True, topk=True)
     parser.add_argument("--arm", dest="mode", choices=MODES, default="stock",
                         help="the process's logits width today: stock or fixed (default stock)")
@@ -155,7 +156,7 @@ def _space(args: argparse.Namespace, engine: Any) -> Any:
     if gc is not None:
         gc = tuple(None if t is None else float(t) for t in gc)
     budgets = defaults.budgets_bytes if args.budgets_mb is None else tuple(args.budgets_mb)
-    if not engine.budget_is_setting:
+    if not engine.tuning.budget_is_setting:
         if args.budgets_mb is not None:
             raise ConfigError(f"--budgets-mb: {engine.name} sizes the logits budget itself from free memory, so it is "
                               "not searched (give the budget it reaches with --budget-mb)")
@@ -217,10 +218,10 @@ def format_result(result: Any, engine: Any, source: str, limit_text: str, utiliz
     out += ["", f"best: {best.setting.label()}: longest prefill {best.fit_tokens:,} tokens "
                 f"(today {mine.fit_tokens:,}, {best.fit_tokens - mine.fit_tokens:+,}); "
                 f"launches per {problem.target_tokens:,}-token prefill {best.launches:,} (today {mine.launches:,})"]
-    if utilization is not None and engine.utilization_flag:
-        out.append(f"{engine.utilization_flag} {utilization:.2f}: the largest share that leaves a target prefill room "
-                   "within the limit (assumes the state's reserved memory is what today's share covers; check that "
-                   "the KV cache still holds the target's tokens)")
+    if utilization is not None and engine.tuning.utilization_flag:
+        out.append(f"{engine.tuning.utilization_flag} {utilization:.2f}: the largest share that leaves a target "
+                   "prefill room within the limit (assumes the state's reserved memory is what today's share covers; "
+                   "check that the KV cache still holds the target's tokens)")
     out += [f"lines to paste ({engine.name}):", *(f"  {line}" for line in lines)]
     out += [f"left out: {note}" for note in result.left_out]
     out += [f"note: {note}" for note in state.notes]
@@ -281,12 +282,13 @@ def run(args: argparse.Namespace) -> int:
     from telemetry.model.allocsim.cli import max_file_bytes
     from telemetry.model.allocsim.snapshot import load_allocator_state
     from telemetry.model.indexer.shape import shape_from_args
-    from telemetry.tune.engines import ENGINES, engine_of_preset
+    from telemetry.tune.engines import ENGINES, engine_of_preset, modes
 
     engine = engine_of_preset(args.preset) if args.preset else ENGINES[args.engine or "vllm"]
-    if args.mode not in engine.modes:
+    engine_modes = modes(engine)
+    if args.mode not in engine_modes:
         raise ConfigError(f"--arm {args.mode}: {engine.name} has no switch for it (its modes: "
-                          f"{', '.join(engine.modes)})")
+                          f"{', '.join(engine_modes)})")
     shape = shape_from_args(args)
     space = _space(args, engine)   # bad values first, before the file is read
     space.check()
@@ -315,7 +317,7 @@ def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Pa
     from telemetry.model.tune.search import DEFAULT_TOP, Problem, suggest_utilization, tune
     from telemetry.model.tune.space import expand, process_setting
     from telemetry.model.tune.verify import SnapshotSource, verify
-    from telemetry.tune.engines import apply_settings, paste_lines
+    from telemetry.tune.engines import apply_settings, modes, paste_lines
 
     process_conf = args.alloc_conf if args.alloc_conf is not None else (state.alloc_conf or "")
     limit, release, limit_text, node_total = _limit(args, state)
@@ -331,7 +333,7 @@ def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Pa
     limit_text += f"; cap: {cap}"
     problem = Problem(state, shape, limit, args.target_tokens, LaunchPattern(keep_previous=args.keep_previous),
                       total_memory=total, release_cache_on_oom=release, cap=cap)
-    expanded = expand(space, shape, process_conf, engine_modes=engine.modes, engine_name=engine.name)
+    expanded = expand(space, shape, process_conf, engine_modes=modes(engine), engine_name=engine.name)
     mine = process_setting(shape, process_conf, args.mode)
     result = tune(problem, expanded, mine, top=args.top or DEFAULT_TOP)
     utilization = None

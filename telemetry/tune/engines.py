@@ -1,21 +1,18 @@
-"""The serving engines `memtel tune` writes settings for: their switches, and the lines to paste.
+"""The serving engines `memtel tune` writes settings for, and the lines to paste.
 
-vLLM 0.32: the logits budget is `VLLM_SPARSE_INDEXER_MAX_LOGITS_MB`, the chunk `--max-num-batched-tokens`, the
-memory share `--gpu-memory-utilization`; the fixed width is the patched build's switch
-(`VLLM_SPARSE_INDEXER_FIXED_LOGITS_WIDTH=1`; telemetry/engines/vllm.py). SGLang 0.5.23: the chunk
-is `--chunked-prefill-size` and the share `--mem-fraction-static`; it sizes the logits budget itself
-(sglang/srt/layers/attention/mqa_logits_utils.py: `SGLANG_DSA_MQA_LOGITS_FREE_MEM_FRACTION` (default 0.2) of the
-free memory, at most 0.3 of the device), so the budget is not a MiB setting there and is not searched; it has no
-fixed-width switch. The lab server (`memtel lab serve`) takes all of them as flags.
+What each engine's switches are (its prefill-logits preset, its width modes, whether its logits budget is a
+setting, its memory-share flag, how a setting becomes its variables and flags) is its own module's `Tuning`
+(telemetry/engines/vllm.py, sglang.py, lab.py); this module only gathers the registered engines that declare one
+and adds what every engine shares: the allocator's variable and the command line's head (the engine's `serve`).
 """
 
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
 from typing import Any
 
-from telemetry.engines.vllm import BUDGET_VARIABLE, FIXED_WIDTH_VARIABLE
+from telemetry.engines import ENGINES as REGISTERED
+from telemetry.engines.registry import Engine, Tuning
 from telemetry.errors import ConfigError
 from telemetry.hook.presets import PRESETS
 from telemetry.model.indexer.planner import MODES
@@ -23,65 +20,49 @@ from telemetry.model.indexer.shape import budget_mib_text
 from telemetry.model.tune.space import Setting
 from telemetry.model.tune.verify import ALLOC_CONF_VARIABLE
 
-SGLANG_BUDGET_VARIABLE = "SGLANG_DSA_MQA_LOGITS_FREE_MEM_FRACTION"
+ENGINES: dict[str, Engine] = {engine.name: engine for engine in REGISTERED if engine.tuning is not None}
 
 
-@dataclass(frozen=True)
-class Engine:
-    name: str
-    preset: str                   # the hook preset of its prefill logits (telemetry/hook/presets.py)
-    modes: tuple[str, ...]        # the width modes it can run
-    budget_is_setting: bool       # the logits budget is a MiB setting (searched)
-    utilization_flag: str | None  # its share of the device's memory
+def tuning(engine: Engine) -> Tuning:
+    """The engine's tuning (every engine of `ENGINES` has one)."""
+    if engine.tuning is None:
+        raise ValueError(f"engine {engine.name!r} declares no tuning")
+    return engine.tuning
 
 
-ENGINES: dict[str, Engine] = {
-    "vllm": Engine("vllm", "vllm-sparse-indexer", MODES, True, "--gpu-memory-utilization"),
-    "sglang": Engine("sglang", "sglang-sparse-indexer", ("stock",), False, "--mem-fraction-static"),
-    "lab": Engine("lab", "lab-indexer", MODES, True, None),
-}
+def modes(engine: Engine) -> tuple[str, ...]:
+    """The width modes the engine has a switch for."""
+    return tuning(engine).modes or MODES
 
 
 def engine_of_preset(name: str) -> Engine:
     """The engine whose prefill-logits preset is `name`; ConfigError for another preset."""
     for engine in ENGINES.values():
-        if engine.preset == name:
+        if tuning(engine).preset == name:
             return engine
+    presets = ", ".join(tuning(e).preset for e in ENGINES.values())
     if name in PRESETS:
         raise ConfigError(f"--preset {name}: not a prefill-logits preset (tune searches prefill settings); use one of "
-                          + ", ".join(e.preset for e in ENGINES.values()))
-    raise ConfigError(f"--preset {name!r}: unknown; the presets of the prefill logits are "
-                      + ", ".join(e.preset for e in ENGINES.values()))
+                          + presets)
+    raise ConfigError(f"--preset {name!r}: unknown; the presets of the prefill logits are {presets}")
 
 
 def apply_settings(engine: Engine, setting: Setting, utilization: float | None) -> dict[str, Any]:
     """What gives `setting` to the engine, for scripts and `memtel ab`'s `tune:` arms: {"env": {NAME: value},
     "flags": [engine flags], "notes": [what a setting cannot say]}."""
-    env: dict[str, str] = {ALLOC_CONF_VARIABLE: setting.alloc_conf}
-    notes: list[str] = []
-    budget = budget_mib_text(setting.budget_bytes)
-    flags: list[str]
-    if engine.name == "vllm":
-        env[BUDGET_VARIABLE] = budget
-        if setting.mode == "fixed":
-            env[FIXED_WIDTH_VARIABLE] = "1"
-            notes.append(f"{FIXED_WIDTH_VARIABLE}=1 is the patched build's switch (vLLM 0.32 itself has none)")
-        flags = ["--max-num-batched-tokens", str(setting.chunk)]
-    elif engine.name == "sglang":
-        notes.append(f"SGLang sizes the logits budget from free memory ({SGLANG_BUDGET_VARIABLE}); the search "
-                     f"assumed {budget} MiB")
-        flags = ["--chunked-prefill-size", str(setting.chunk)]
-    else:
-        flags = ["--arm", setting.mode, "--chunk", str(setting.chunk), "--budget-mb", budget]
-        if setting.alloc_conf:
-            flags += ["--alloc-conf", setting.alloc_conf]
-    if utilization is not None and engine.utilization_flag:
-        flags += [engine.utilization_flag, f"{utilization:.2f}"]
-    return {"env": env, "flags": flags, "notes": notes}
+    switches = tuning(engine)
+    applied = switches.apply(setting, budget_mib_text(setting.budget_bytes))
+    env = {ALLOC_CONF_VARIABLE: setting.alloc_conf, **applied.env}
+    flags = list(applied.flags)
+    if utilization is not None and switches.utilization_flag:
+        flags += [switches.utilization_flag, f"{utilization:.2f}"]
+    return {"env": env, "flags": flags, "notes": list(applied.notes)}
 
 
-COMMAND_HEADS = {"vllm": "vllm serve MODEL ...", "sglang": "python -m sglang.launch_server --model-path MODEL ...",
-                 "lab": "memtel lab serve ..."}
+def command_head(engine: Engine) -> str:
+    """The engine's command line up to its model, then `...`: `vllm serve MODEL ...`."""
+    words = engine.serve[:engine.serve.index("{model}") + 1] if "{model}" in engine.serve else engine.serve
+    return " ".join("MODEL" if word == "{model}" else word for word in words) + " ..."
 
 
 def paste_lines(engine: Engine, setting: Setting, utilization: float | None) -> list[str]:
@@ -94,8 +75,8 @@ def paste_lines(engine: Engine, setting: Setting, utilization: float | None) -> 
         else:
             lines.append(f"export {name}={shlex.quote(value)}")
     lines += [f"# {note}" for note in applied["notes"]]
-    lines.append(" ".join([COMMAND_HEADS[engine.name], *map(shlex.quote, applied["flags"])]))
+    lines.append(" ".join([command_head(engine), *map(shlex.quote, applied["flags"])]))
     return lines
 
 
-__all__ = ["COMMAND_HEADS", "ENGINES", "Engine", "apply_settings", "engine_of_preset", "paste_lines"]
+__all__ = ["ENGINES", "apply_settings", "command_head", "engine_of_preset", "modes", "paste_lines", "tuning"]

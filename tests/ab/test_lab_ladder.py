@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness.ab.serve import group_members
 from telemetry.model.indexer.planner import plan_prefill
 from telemetry.model.indexer.shape import IndexerShape
 from tests.ab.lab import ROOT, events, harness, lab_arm, node_daemon, records, run_ab, run_ab_together, tail, wait_for
@@ -230,3 +231,52 @@ def test_failed_requests_exit_4_and_no_arm_started_exits_1(tmp_path):
     assert "- stock repeat 0 a: failed: HTTP 400" in report and "- stock repeat 0 b: skipped: request failed" in report
     assert none_ran.returncode == 1, none_ran.stdout[-2000:] + none_ran.stderr[-2000:]
     assert "Verdict: NOTHING RAN — no request was made (every arm failed to start)" in none_ran.stdout
+
+
+def test_a_server_killed_mid_request_continue_serves_again_and_stop_arm_skips(tmp_path, daemon):
+    """A served arm's server SIGKILLed during a prefill, once in an arm that goes on (`on_error: continue`, so a
+    fresh serve runs the rest) and once in one that stops (`stop-arm`). The harness treats a lab server and a vLLM
+    server alike here (a process group that dies); lab servers make the three starts cost seconds, not minutes."""
+    # time-scale 4: the 40k prefill sleeps four times its modeled time (about 5 s), to be killed in flight.
+    slow = {"max_model_len": 49152, "time_scale": "4"}
+    arms = [lab_arm("goes-on", "stock", **slow), lab_arm("stops", "stock", **slow)]
+    arms[0]["on_error"], arms[1]["on_error"] = "continue", "stop-arm"
+    for arm in arms:
+        del arm["ranks"]
+    steps = [{"label": "small", "tokens": 2000, "seed": 1}, {"label": "long", "tokens": 40000, "seed": 2},
+             {"label": "after", "tokens": 2000, "seed": 3}]
+    ladder = {"model": "lab", "request": {"max_tokens": 4, "timeout_s": 120, "check_answer": False},
+              "arms": arms, "nodes": {"local": daemon}, "steps": steps, "sample_interval_s": 0.5}
+    ladder_path, run_dir, log = tmp_path / "ladder.yaml", tmp_path / "run", tmp_path / "harness.log"
+    ladder_path.write_text(yaml.safe_dump(ladder, sort_keys=False))
+    proc = harness(["run", str(ladder_path), "--out", str(run_dir)], log)
+    try:
+        for arm in ("goes-on", "stops"):
+            def in_flight(arm: str = arm) -> bool:
+                """The long prefill is in flight once the 0.5 s node sampler has recorded for it."""
+                return bool(events(run_dir, "node_sample", arm=arm, step="long"))
+
+            wait_for(in_flight, 120, f"{arm}'s long request", proc, log)
+            os.killpg(events(run_dir, "serve_start", arm=arm)[-1]["pgid"], signal.SIGKILL)
+        assert proc.wait(timeout=120) == 4, tail(log)  # requests failed: exit 4 (docs/harness.md)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    requests = {(r["arm"], r["step"]): r for r in events(run_dir, "request")}
+    for arm in ("goes-on", "stops"):
+        assert requests[(arm, "small")]["ok"]
+        failed = requests[(arm, "long")]
+        assert not failed["ok"] and failed["error"], failed
+    # continue: a fresh serve ran the rest; stop-arm: the rest is skipped, with the reason.
+    assert requests[("goes-on", "after")]["ok"]
+    assert [s["arm"] for s in events(run_dir, "serve_start")] == ["goes-on", "goes-on", "stops"]
+    assert ("stops", "after") not in requests
+    skipped = events(run_dir, "step_skipped", arm="stops")
+    assert [s["step"] for s in skipped] == ["after"] and "server died at step long" in skipped[0]["reason"]
+    assert events(run_dir, "arm_stopped", arm="stops")
+    assert not events(run_dir, "arm_stopped", arm="goes-on")
+    assert all(not group_members(s["pgid"]) for s in events(run_dir, "serve_start"))  # every server group gone
+    report = (run_dir / "report.md").read_text()
+    assert "- goes-on repeat 0 long: failed:" in report and "- stops repeat 0 after: skipped: server died" in report
+    assert "goes-on repeat 0: 2 servers in one attempt" in report  # the restart is said, not hidden

@@ -1,22 +1,19 @@
 """The A/B harness against real vLLM CPU servers, the real node daemon and the hook in the workers.
 
-Server starts are most of the cost (docs/testing.md), so each test combines scenarios:
-- `test_two_arms_interrupted_twice_then_resumed`: two served arms, 4k/4k/8k; Ctrl-C (SIGINT) during
-  arm A, --resume, SIGKILL of the harness during arm B (its watchdog must stop the server), --resume
-  again; each unfinished block runs again from its first step on a fresh server (its first attempt's
-  records superseded); then every record, exact prompt token counts, the report and plots.
-- `test_server_killed_mid_request`: a server SIGKILLed during a prefill, once in an arm that goes on
-  (on_error: continue, so a fresh serve runs the rest) and once in an arm that stops (stop-arm).
+`test_two_arms_interrupted_twice_then_resumed`: two served arms, 4k/4k/8k; Ctrl-C (SIGINT) during arm A,
+--resume, SIGKILL of the harness during arm B (its watchdog must stop the server), --resume again; each
+unfinished block runs again from its first step on a fresh server (its first attempt's records superseded);
+then every record, exact prompt token counts, the report and plots. A server killed in the middle of a request
+is tested with lab servers (tests/ab/test_lab_ladder.py): the harness treats both alike, and vLLM's three
+starts there cost minutes.
 
-Seven starts in all, so each is made cheap and the two ladders run side by side:
+Server starts are most of the cost (docs/testing.md), so each is made cheap:
 - Each server runs eager (`--enforce-eager`: compiling is not what these tests check) in two processes, not
   three (`VLLM_ENABLE_V1_MULTIPROCESSING=0` with `--distributed-executor-backend uni`: the worker runs inside
   the engine core; the API server still starts the engine core as its own process). Nothing here asserts on
   the process layout: a server is its process group, stopped, killed and checked as a group.
-- Most of a start is Python importing vLLM on one core, and this machine has two: the killed-server ladder
-  starts in a thread when the module starts (`killed_server_run`) and runs beside the interrupted one; its
-  test waits for it and checks what it left. The harness is started without a `preexec_fn` (not safe
-  with a second thread), by a bootstrap that restores Ctrl-C itself (`harness_process`).
+- The harness is started without a `preexec_fn`, by a bootstrap that restores Ctrl-C itself
+  (`harness_process`).
 """
 
 from __future__ import annotations
@@ -26,9 +23,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
@@ -102,77 +97,6 @@ def node_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The real memtel node daemon on a free loopback port."""
     with run_node_daemon(tmp_path_factory.mktemp("daemon-state")) as url:
         yield url
-
-
-class KilledRun:
-    """The killed-server ladder, run in a thread: its harness (to stop it if the module ends first) and result."""
-
-    def __init__(self, tmp: Path, model: Path, node_daemon: str) -> None:
-        self.tmp, self.model, self.node_daemon = tmp, model, node_daemon
-        self.run_dir, self.log = tmp / "run", tmp / "harness.log"
-        self.proc: subprocess.Popen | None = None
-        self.result: Future[int] = Future()  # the harness's exit status
-        self.thread = threading.Thread(target=self._main, name="killed-server-ladder", daemon=True)
-
-    def _main(self) -> None:
-        try:
-            self.result.set_result(self._run())
-        except BaseException as exc:  # handed to the test, which raises it
-            self.result.set_exception(exc)
-
-    def _run(self) -> int:
-        port_a, port_b = free_port(), free_port()
-        steps = [{"label": "small", "tokens": 2000, "seed": 1}, {"label": "long", "tokens": 40000, "seed": 2},
-                 {"label": "after", "tokens": 2000, "seed": 3}]
-        ladder = {
-            "model": "tiny", "request": {"max_tokens": 4, "timeout_s": 300, "check_answer": False,
-                                         "words_file": str(self.model / "tokenizer.json")},
-            "arms": [serve_arm("goes-on", self.model, port_a, on_error="continue", max_model_len=49152),
-                     serve_arm("stops", self.model, port_b, on_error="stop-arm", max_model_len=49152)],
-            "nodes": {"local": self.node_daemon}, "steps": steps, "sample_interval_s": 0.5,
-        }
-        ladder_path = self.tmp / "ladder.yaml"
-        ladder_path.write_text(yaml.safe_dump(ladder, sort_keys=False))
-        self.proc = proc = harness_process(["run", str(ladder_path), "--out", str(self.run_dir)], self.log)
-        try:
-            for arm in ("goes-on", "stops"):
-                def in_flight(arm: str = arm) -> bool:
-                    """The long prefill is in flight once the 0.5 s node sampler has recorded twice for it."""
-                    return len(events(self.run_dir, "node_sample", arm=arm, step="long")) >= 2
-
-                wait_for(in_flight, 600, f"{arm}'s long request", proc, self.log)
-                os.killpg(events(self.run_dir, "serve_start", arm=arm)[-1]["pgid"], signal.SIGKILL)
-            return proc.wait(timeout=400)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-    def stop(self) -> None:
-        """The module is over: a harness still running is interrupted (it stops its server), then waited for."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.thread.join(timeout=120)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def killed_server_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
-                      node_daemon: str) -> Iterator[KilledRun | None]:
-    """test_server_killed_mid_request's ladder, started when the module starts (when that test is selected), so
-    that it runs beside test_two_arms_interrupted_twice_then_resumed."""
-    if not any(item.name == "test_server_killed_mid_request" for item in request.session.items):
-        yield None
-        return
-    run = KilledRun(tmp_path_factory.mktemp("killed-mid-request"), tiny_model, node_daemon)
-    run.thread.start()
-    try:
-        yield run
-    finally:
-        run.stop()
 
 
 def test_two_arms_interrupted_twice_then_resumed(tmp_path: Path, tiny_model: Path, node_daemon: str) -> None:
@@ -320,27 +244,3 @@ def check_complete_run(run_dir: Path, ladder_path: Path, superseded_steps: dict[
     for plot in plots:
         assert (run_dir / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"plots/mem_available_local.png", "plots/ttft.png", "plots/reserved_rank0.png"} <= set(plots)
-
-
-def test_server_killed_mid_request(killed_server_run: KilledRun | None) -> None:
-    run = killed_server_run
-    assert run is not None, "the fixture starts this test's ladder whenever this test is selected"
-    assert run.result.result(timeout=1800) == 4, tail(run.log)  # requests failed: exit 4 (docs/harness.md)
-    run_dir = run.run_dir
-    requests = {(r["arm"], r["step"]): r for r in events(run_dir, "request")}
-    for arm in ("goes-on", "stops"):
-        assert requests[(arm, "small")]["ok"]
-        failed = requests[(arm, "long")]
-        assert not failed["ok"] and failed["error"], failed
-    # continue: a fresh serve ran the rest; stop-arm: the rest is skipped, with the reason.
-    assert requests[("goes-on", "after")]["ok"]
-    assert [s["arm"] for s in events(run_dir, "serve_start")] == ["goes-on", "goes-on", "stops"]
-    assert ("stops", "after") not in requests
-    skipped = events(run_dir, "step_skipped", arm="stops")
-    assert [s["step"] for s in skipped] == ["after"] and "server died at step long" in skipped[0]["reason"]
-    assert events(run_dir, "arm_stopped", arm="stops")
-    assert not events(run_dir, "arm_stopped", arm="goes-on")
-    assert all(group_gone(s["pgid"]) for s in events(run_dir, "serve_start"))
-    report = (run_dir / "report.md").read_text()
-    assert "- goes-on repeat 0 long: failed:" in report and "- stops repeat 0 after: skipped: server died" in report
-    assert "goes-on repeat 0: 2 servers in one attempt" in report  # the restart is said, not hidden

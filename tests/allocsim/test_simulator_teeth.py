@@ -103,3 +103,23 @@ def test_an_expandable_segment_maps_no_page_past_the_capacity():
     with pytest.raises(SimulatedOutOfMemoryError):
         sim.malloc(40 * MIB)  # two more pages: 60 MiB mapped would be over 50
     assert sim.reserved_bytes == 20 * MIB
+
+
+BASE = 0x7F00_0000_0000  # a device address as a snapshot reports one
+
+
+def test_a_seeded_expandable_segment_grows_in_place_from_its_first_free_page():
+    """The segment is taken to begin at its first mapped page: a free page there is where a larger block grows
+    from, not a second segment (mutation testing: the range before the first page is empty, never a block)."""
+    sim = CachingAllocatorSim("expandable_segments:True", capacity_bytes=200 * MIB)
+    sim.seed([(BASE, False, True, [(20 * MIB, False)])])
+    grown = sim.malloc(30 * MIB)
+    assert sim.block_address(grown) == BASE
+    assert [(s["address"], s["total_size"]) for s in sim.snapshot()] == [(BASE, 40 * MIB)]
+
+
+def test_after_a_seed_a_new_expandable_segment_starts_past_every_reservation():
+    sim = CachingAllocatorSim("expandable_segments:True", capacity_bytes=200 * MIB)
+    sim.seed([(BASE, False, True, [(20 * MIB, True)])])
+    small = sim.malloc(1000)   # the small pool has no segment yet: a new reservation
+    assert sim.block_address(small) == 0x2000_0000_0000_0000 > BASE

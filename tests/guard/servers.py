@@ -17,9 +17,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from telemetry.guard.limit import HookTarget, LimitTracker, scrape_forever
+from telemetry.guard.limit import LimitTracker, scrape_forever
 from telemetry.guard.metrics import GuardMetrics, guard_registry
-from telemetry.guard.proxy import GuardLimits, GuardProxy, Upstream
+from telemetry.guard.proxy import GuardLimits, GuardProxy
+from telemetry.scrape import parse_base_url, parse_url
 
 
 class _Server(ThreadingHTTPServer):
@@ -170,8 +171,10 @@ class StubUpstream:
 
 
 def exposition(max_prefill: int, *, budget: float = 8 << 30, rank: str = "0", node: str = "node-a",
-               forecast_time: float | None = None, growth: dict[int, float] | None = None) -> str:
-    """A hook's /metrics lines for one rank's fit, as telemetry/hook/forecast exports them."""
+               forecast_time: float | None = None, growth: dict[int, float] | None = None,
+               at_best: int | None = None) -> str:
+    """A hook's /metrics lines for one rank's fit, as telemetry/hook/forecast exports them (`at_best`: the
+    at-best gauge, None: a hook older than it)."""
     labels = f'rank="{rank}",node="{node}"'
     lines = ["# HELP memtel_hook_calls_total Hooked calls recorded.", "# TYPE memtel_hook_calls_total counter",
              f'memtel_hook_calls_total{{site="x",{labels}}} 3.0',
@@ -181,6 +184,8 @@ def exposition(max_prefill: int, *, budget: float = 8 << 30, rank: str = "0", no
              f"{time.time() if forecast_time is None else forecast_time}"]
     for tokens, value in (growth or {}).items():
         lines.append(f'memtel_forecast_reserved_growth_bytes{{tokens="{tokens}",{labels}}} {value}')
+    if at_best is not None:
+        lines.append(f"memtel_forecast_max_prefill_tokens_at_best{{{labels}}} {at_best}")
     return "\n".join(lines) + "\n"
 
 
@@ -228,11 +233,12 @@ class RunningGuard:
     """The guard's proxy and hook scraper on their own event loop, in a thread of the test process."""
 
     def __init__(self, upstream: str, hooks: list[str], *, when_blind: str = "admit", stale_s: float = 2.0,
-                 poll_s: float = 0.05, reserve_mb: float = 0.0, limits: GuardLimits | None = None,
+                 poll_s: float = 0.05, health_s: float | None = None, reserve_mb: float = 0.0,
+                 limits: GuardLimits | None = None,
                  replicas: list[tuple[str, list[str]]] | None = None) -> None:
         """replicas: (upstream, hooks) of each of several engines, instead of `upstream` and `hooks`."""
-        engines = [(Upstream.parse(url), LimitTracker([HookTarget.parse(h) for h in urls], stale_s=stale_s,
-                                                      reserve_bytes=reserve_mb * (1 << 20)))
+        engines = [(parse_base_url(url), LimitTracker([parse_url(h) for h in urls], stale_s=stale_s,
+                                                       reserve_bytes=reserve_mb * (1 << 20)))
                    for url, urls in (replicas or [(upstream, hooks)])]
         self.metrics = GuardMetrics()
         self.proxy = GuardProxy(*engines[0], self.metrics, when_blind=when_blind, limits=limits, replicas=engines)
@@ -247,7 +253,7 @@ class RunningGuard:
             self._tasks = [asyncio.ensure_future(scrape_forever(r.tracker, poll_s, timeout_s=1.0))
                            for r in self.proxy.replicas]
             if len(self.proxy.replicas) > 1:
-                self._tasks.append(asyncio.ensure_future(self.proxy.watch_health(poll_s, timeout_s=1.0)))
+                self._tasks.append(asyncio.ensure_future(self.proxy.watch_health(health_s or poll_s, timeout_s=1.0)))
             started.set()
 
         def serve() -> None:

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from telemetry.guard.limit import HookTarget, LimitTracker, RankFit, parse_hook
+from telemetry.guard.limit import LimitTracker, RankFit, parse_hook
 from telemetry.guard.proxy import GuardLimits
+from telemetry.scrape import parse_url
 from tests.guard.servers import RunningGuard, StubHook, exposition, request
 
 LIMIT = 1000
@@ -165,13 +166,13 @@ def test_nonsensical_gauges_leave_the_rank_out_with_a_reason(series, value, word
              for line in exposition(LIMIT, rank="3", node="n").splitlines()]
     fits, rejected = parse_hook("\n".join(lines) + "\n")
     assert fits == [] and len(rejected) == 1 and "rank 3 on node n" in rejected[0] and words in rejected[0]
-    tracker = LimitTracker([HookTarget.parse("http://127.0.0.1:9")], stale_s=5)
+    tracker = LimitTracker([parse_url("http://127.0.0.1:9")], stale_s=5)
     tracker.record(tracker.hooks[0], fits, None, rejected)
     assert tracker.limit() is None and words in tracker.why_blind()
 
 
 def test_a_forecast_from_the_future_or_without_a_time_is_not_fresh():
-    tracker = LimitTracker([HookTarget.parse("http://127.0.0.1:9")], stale_s=5)
+    tracker = LimitTracker([parse_url("http://127.0.0.1:9")], stale_s=5)
     hook = tracker.hooks[0]
     tracker.record(hook, [RankFit("0", "a", 900, None, time.time() + 3600)], None)
     assert tracker.limit() is None and "in the future" in tracker.why_blind()

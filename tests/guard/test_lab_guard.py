@@ -179,25 +179,30 @@ def test_a_32k_prompt_through_the_guard_gets_the_same_answer_as_going_direct(gua
 
 
 def test_a_1m_prompt_is_refused_in_milliseconds_and_the_node_keeps_serving(guarded):
+    """Over what the node takes at best (its limit at rest): refused for good, 400 (telemetry/guard/at_best.py)."""
     node, url, metrics = guarded
     assert complete(url, 100_000, seed=2)[0] == 200
     prompt_tokens_before = node.metric("vllm:prompt_tokens_total")
     settled(metrics)
     limit = guard_limit(metrics)
     assert limit is not None and 100_000 <= limit < 1_048_576
+    wait_until(lambda: "memtel_guard_limit_tokens_at_best" in scrape(f"http://127.0.0.1:{metrics}/metrics"), 30,
+               "a reading of the rank taken between prefills (the at-best limit)")
     timings = []
     for seed in (3, 4, 5, 6, 7):
         outcome = post_completion(url, 1_048_576, seed)
         timings.append(outcome.seconds)
-        assert outcome.status == 503 and outcome.error_type == "memtel_would_not_fit", outcome
+        assert outcome.status == 400 and outcome.error_type == "invalid_request_error", outcome
     fields = outcome.fields
     assert fields["prompt_tokens"] == 1_048_576 and fields["prompt_tokens_counted_by"] == "words"
-    assert fields["reason"] == "would_not_fit"
+    assert (fields["reason"], fields["retryable"]) == ("exceeds_memory_at_best", False)
     assert fields["limit_tokens"] == fields["max_prefill_tokens"] and 100_000 <= fields["limit_tokens"] < 1_048_576
+    assert fields["limit_at_best_from"] == "memory" and fields["limit_tokens"] <= fields["limit_tokens_at_best"] \
+        < 1_048_576
     assert (fields["rank"], fields["hook"]) == ("0", f"http://127.0.0.1:{node.hook_port}/metrics")
-    assert fields["node"] and fields["fit_budget_bytes"] > 0
-    assert fields["forecast_tokens"] == 1_048_576 and fields["forecast_bytes"] > fields["fit_budget_bytes"]
-    # From the first byte sent to the 503 read back, the 4.2 MB prompt included: the median of five (a single try
+    assert (fields["at_best_rank"], fields["at_best_hook"]) == ("0", f"http://127.0.0.1:{node.hook_port}/metrics")
+    assert fields["node"] and fields["max_model_len"] == 1_100_000
+    # From the first byte sent to the 400 read back, the 4.2 MB prompt included: the median of five (a single try
     # can meet a busy moment on a shared 2-core machine; BENCHMARKS.md, "memtel guard", has the figures).
     assert sorted(timings)[len(timings) // 2] < 0.1, timings
     # The node never saw it, and serves the next request.
@@ -284,8 +289,11 @@ def test_blind_when_the_hook_stops_then_the_limit_again(guarded):
         assert values["memtel_guard_blind"] == 0
         assert values["memtel_guard_blind_episodes_total"] == episodes[metrics] + 1
     assert get_status(reject_url + "/health") == 200
-    for url in (admit_url, reject_url):
+    for url, metrics in ((admit_url, admit_metrics), (reject_url, reject_metrics)):
+        # The at-best limit is known again (the reading from before the hook stopped, taken between prefills).
+        wait_until(lambda m=metrics: "memtel_guard_limit_tokens_at_best" in scrape(f"http://127.0.0.1:{m}/metrics"),
+                   30, "the at-best limit")
         outcome = post_completion(url, 1_048_576, seed=3)
-        assert outcome.status == 503 and outcome.error_type == "memtel_would_not_fit", outcome
+        assert outcome.status == 400 and outcome.fields["reason"] == "exceeds_memory_at_best", outcome
         assert post_completion(url, 1_000, seed=4).status == 200
     assert all(log.read_text().count("is blind") == lines[log] + 1 for log in logs)

@@ -7,7 +7,9 @@ import time
 import pytest
 
 from telemetry.errors import ConfigError
-from telemetry.guard.limit import HookTarget, LimitTracker, RankFit, parse_fits
+from telemetry.guard.limit import LimitTracker, RankFit, parse_fits
+from telemetry.guard.replicas import hook_targets
+from telemetry.scrape import parse_url
 from tests.guard.servers import exposition
 
 
@@ -35,7 +37,7 @@ def test_reserve_scales_the_rank_limit_by_the_budget_left():
 
 
 def test_the_limit_is_the_smallest_fresh_rank_less_the_tokens_in_prefill():
-    tracker = LimitTracker([HookTarget.parse("http://127.0.0.1:1"), HookTarget.parse("http://127.0.0.1:2")],
+    tracker = LimitTracker([parse_url("http://127.0.0.1:1"), parse_url("http://127.0.0.1:2")],
                            stale_s=5)
     assert tracker.limit() is None and tracker.blind
     tracker.record(tracker.hooks[0], [RankFit("0", "a", 900, None, time.time())], None)
@@ -51,7 +53,7 @@ def test_the_limit_is_the_smallest_fresh_rank_less_the_tokens_in_prefill():
 def test_blind_names_the_failing_scrape_even_where_its_last_forecast_aged_out_first():
     """A hook that now fails (HTTP 503) and whose last forecast is also older than stale_s: the reason is the
     failure (its forecast ages out a scrape's latency before its answer does; seen under load)."""
-    tracker = LimitTracker([HookTarget.parse("http://127.0.0.1:9200/metrics")], stale_s=1.0)
+    tracker = LimitTracker([parse_url("http://127.0.0.1:9200/metrics")], stale_s=1.0)
     hook = tracker.hooks[0]
     tracker.record(hook, [RankFit("0", "a", 900, None, time.time() - 5)], None)  # answered now, forecast old
     assert tracker.limit() is None and "forecast older than 1 s" in tracker.why_blind()
@@ -61,12 +63,12 @@ def test_blind_names_the_failing_scrape_even_where_its_last_forecast_aged_out_fi
 
 @pytest.mark.parametrize("text", ["ftp://h:1", "http://", "not a url", "http://h:99999"])
 def test_hook_urls_that_are_not_http(text):
-    with pytest.raises(ConfigError, match="--hooks"):
-        HookTarget.parse(text)
+    with pytest.raises(ConfigError, match=r"^--hooks: "):
+        hook_targets(text)
 
 
 def test_hook_url_defaults_and_credentials():
-    target = HookTarget.parse("http://user:pw@127.0.0.1:9200")
+    [target] = hook_targets("http://user:pw@127.0.0.1:9200")
     assert (target.url, target.path, target.authorization) == ("http://127.0.0.1:9200/metrics", "/metrics",
                                                               "Basic dXNlcjpwdw==")
     assert "pw" not in target.url

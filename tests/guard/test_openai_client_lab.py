@@ -2,7 +2,8 @@
 
 The node of `memtel demo --guard` (1.5 GiB, max-model-len 1,100,000, the limit about 401,244 at rest): a
 prompt over max-model-len is a permanent BadRequestError at once, with the client's default retries; one
-within max-model-len but over the limit is a transient 503 the client would retry.
+within what the node takes at best but over the limit now (another tenant holds part of the node) is a
+transient 503 the client would retry.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import time
 import openai
 import pytest
 
-from harness.demo.guarded import prompt_text
-from tests.guard.test_lab_guard import Node, scrape
+from harness.demo.guarded import guard_limit, prompt_text, tenant_holds
+from tests.guard.test_lab_guard import Node, scrape, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +48,19 @@ def test_the_openai_client_gets_a_permanent_bad_request_from_the_lab_guard_witho
     assert node.metric("vllm:prompt_tokens_total") == prompt_tokens_before and node.healthy()
 
 
-def test_the_openai_client_gets_a_transient_503_for_a_prompt_within_max_model_len(lab):
-    node, url, _ = lab
-    with openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as client, \
-            pytest.raises(openai.InternalServerError) as caught:
-        client.completions.create(model="lab", prompt=prompt_text(1_048_576, seed=12), max_tokens=4)
+def test_the_openai_client_gets_a_transient_503_for_a_prompt_within_what_the_node_takes_at_best(lab):
+    node, url, metrics = lab
+    wait_until(lambda: "memtel_guard_limit_tokens_at_best" in scrape(f"http://127.0.0.1:{metrics}/metrics"), 30,
+               "the at-best limit, read before the tenant comes")
+    tenant_holds(node.url, 0.9)   # another process holds 0.9 of the node's 1.5 GiB for a while
+    try:
+        wait_until(lambda: (guard_limit(metrics) or 10**9) < 300_000, 30, "the limit to fall with the tenant")
+        with openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as client, \
+                pytest.raises(openai.InternalServerError) as caught:
+            client.completions.create(model="lab", prompt=prompt_text(300_000, seed=12), max_tokens=4)
+    finally:
+        tenant_holds(node.url, 0)
     response = caught.value.response
     assert response.status_code == 503 and response.headers["x-should-retry"] == "true"
     assert response.headers["retry-after"] == "10" and node.healthy()
+    assert caught.value.body["limit_at_best_from"] == "memory" and caught.value.body["limit_tokens_at_best"] > 300_000

@@ -10,9 +10,10 @@ import time
 import pytest
 
 from telemetry.guard.admission import admit
-from telemetry.guard.limit import HookTarget, Limit, LimitTracker, RankFit
+from telemetry.guard.limit import Limit, LimitTracker, RankFit
 from telemetry.guard.prompt import SPECIAL_TOKENS_PER_PROMPT, measure
 from telemetry.guard.refusal import ContextLength, Refusal, forecast_words, parse_models, refusal_for
+from telemetry.scrape import parse_url
 
 GIB = 1 << 30
 
@@ -116,7 +117,7 @@ class _Upstream:
 
 
 def _admit(body, upstream, rank_tokens=1000, path="/v1/completions"):
-    tracker = LimitTracker([HookTarget.parse("http://127.0.0.1:9/metrics")], stale_s=60)
+    tracker = LimitTracker([parse_url("http://127.0.0.1:9/metrics")], stale_s=60)
     tracker.record(tracker.hooks[0], [RankFit("0", "node-a", rank_tokens, 4e9, time.time())], None)
     rejected = []
 

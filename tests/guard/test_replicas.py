@@ -116,6 +116,29 @@ def test_a_replica_whose_hooks_are_stale_leaves_the_pool(guard, engines):
     guard.wait_for(lambda: guard.sample(IN_POOL, {"replica": big.url}) == 1)
 
 
+def test_a_replica_that_refuses_the_connection_leaves_the_pool_and_the_prompt_goes_to_another():
+    """Nothing was sent to a replica that cannot be reached, so the prompt is decided again among the others (here
+    before any /health poll could notice: polled once at the start, then every 60 s)."""
+    dead, alive = StubUpstream(), StubUpstream()
+    hooks = [StubHook(lambda: exposition(2000, node="node-dead", rank="0", budget=4e9)),
+             StubHook(lambda: exposition(800, node="node-alive", rank="0", budget=4e9))]
+    running = RunningGuard("", [], health_s=60.0, replicas=[(dead.url, [hooks[0].url]), (alive.url, [hooks[1].url])])
+    try:
+        running.wait_for(lambda: all(r.tracker.published is not None for r in running.proxy.replicas))
+        dead.stop()  # the engine is gone; its hook still answers (the limit stays fresh)
+        status, _h, _d = request(running.url, "POST", "/v1/completions", ids(500))  # the dead one has more room
+        assert status == 200 and completions(alive) == [500]
+        assert running.sample(IN_POOL, {"replica": dead.url}) == 0
+        assert running.sample("memtel_guard_upstream_failures_total", {"stage": "connect"}) == 1
+        status, _h, data = request(running.url, "POST", "/v1/completions", ids(1500))  # fits only the dead one
+        assert status == 503 and json.loads(data)["error"]["reason"] == "would_not_fit"
+    finally:
+        running.stop()
+        alive.stop()
+        for hook in hooks:
+            hook.stop()
+
+
 def test_with_no_replica_healthy_a_prompt_waits_then_gets_503(guard, engines):
     for upstream, _hook in engines.values():
         upstream.healthy = False
@@ -139,7 +162,7 @@ YAML_BAD = [
     ("replicas:\n  - upstream: http://a:1\n", "expected exactly the keys upstream and hooks"),
     ("replicas:\n  - upstream: http://a:1\n    hooks: http://a:2\n", "hooks must be a list"),
     ("replicas:\n  - upstream: ftp://a:1\n    hooks: [http://a:2]\n", "base URL"),
-    ("replicas:\n  - upstream: http://a:1\n    hooks: [nope]\n", "not a URL"),
+    ("replicas:\n  - upstream: http://a:1\n    hooks: [nope]\n", "'nope' has no port"),
     ("replicas:\n  - {upstream: http://a:1, hooks: [http://a:2]}\n  - {upstream: http://a:1, hooks: [http://a:3]}\n",
      "given twice"),
 ]

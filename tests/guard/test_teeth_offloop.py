@@ -11,7 +11,8 @@ import asyncio
 import threading
 
 from telemetry.guard import limit
-from telemetry.guard.limit import HookTarget, LimitTracker, scrape_forever
+from telemetry.guard.limit import LimitTracker, scrape_forever
+from telemetry.scrape import parse_url
 from tests.guard.servers import StubHook, exposition
 
 
@@ -38,7 +39,7 @@ def test_a_hooks_answer_is_parsed_while_the_loop_keeps_running(monkeypatch):
     # A large answer: a hook with many ranks' series (about 300 kB), as a big node's would be.
     hook = StubHook(lambda: exposition(1000) + "".join(
         f'memtel_hook_calls_total{{site="s{i}",rank="0",node="node-a"}} {i}.0\n' for i in range(5_000)))
-    tracker = LimitTracker([HookTarget.parse(hook.url)], stale_s=30.0)
+    tracker = LimitTracker([parse_url(hook.url)], stale_s=30.0)
 
     async def main() -> None:
         nonlocal ticks, loop_thread

@@ -8,28 +8,34 @@ import json
 import pytest
 
 from telemetry.errors import ConfigError
-from telemetry.guard.limit import HookTarget
-from telemetry.guard.proxy import Upstream
 from telemetry.guard.refusal import MAX_MODELS_BYTES, parse_models
+from telemetry.guard.replicas import engines, hook_targets
+
+
+def _upstream(text):
+    [(upstream, _hooks)] = engines(text, "http://h:9200", None, None)
+    return upstream
 
 
 @pytest.mark.parametrize(("text", "port", "tls"), [("http://vm", 80, False), ("https://vm", 443, True),
-                                                   ("https://vm:8443/", 8443, True)])
+                                                   ("https://vm:8443/", 8443, True), ("vm:8000", 8000, False)])
 def test_an_upstream_without_a_port_gets_its_schemes(text, port, tls):
-    upstream = Upstream.parse(text)
-    assert (upstream.host, upstream.port, upstream.tls) == ("vm", port, tls)
+    upstream = _upstream(text)
+    assert (upstream.host, upstream.port, upstream.tls, upstream.path) == ("vm", port, tls, "")
 
 
-@pytest.mark.parametrize("text", ["http://vm:8000/?x=1", "http://vm:8000/v1", "ftp://vm", "http://u@vm:8000"])
+@pytest.mark.parametrize("text", ["http://vm:8000/?x=1", "http://vm:8000/v1", "ftp://vm", "http://u:secret@vm:8000",
+                                  "vm"])
 def test_an_upstream_that_is_not_a_base_url_is_refused_with_what_is_expected(text):
-    with pytest.raises(ConfigError, match="expected the engine's base URL"):
-        Upstream.parse(text)
+    with pytest.raises(ConfigError, match=r"^--upstream: .*expected the engine's base URL") as caught:
+        _upstream(text)
+    assert "secret" not in str(caught.value)
 
 
 def test_a_hook_without_a_port_gets_its_schemes():
-    assert (HookTarget.parse("https://vm").port, HookTarget.parse("http://vm").port) == (443, 80)
-    with pytest.raises(ConfigError, match=r"expected http://HOST:PORT or https://HOST:PORT\[/metrics\]"):
-        HookTarget.parse("vm:9400")
+    assert [h.port for h in hook_targets("https://vm,http://vm,vm:9400")] == [443, 80, 9400]
+    with pytest.raises(ConfigError, match=r"^--hooks: 'vm' has no port; expected HOST:PORT or http\(s\)://"):
+        hook_targets("vm")
 
 
 def test_models_cards_that_are_not_objects_are_skipped_not_the_end():

@@ -51,7 +51,7 @@ def test_deployment_hooks_and_upstream_root() -> None:
     assert deployment_hooks({"litellm_params": {}}) == ()
     with pytest.raises(ConfigError, match="memtel_hooks"):
         deployment_hooks(deployment("a", {"url": "x"}))
-    with pytest.raises(ConfigError, match="not a URL"):
+    with pytest.raises(ConfigError, match=r"^model_info\.memtel_hooks: 'ftp://x' is not a metrics URL"):
         deployment_hooks(deployment("a", ["ftp://x"]))
     assert upstream_root(deployment("a", [], "http://10.0.0.1:8000/v1/")) == "http://10.0.0.1:8000"
     assert upstream_root({"litellm_params": {}}) is None

@@ -7,7 +7,7 @@ import base64
 import pytest
 
 from telemetry.errors import ConfigError
-from telemetry.scrape import DAEMON_PORT, Endpoint, parse_url, parse_url_list
+from telemetry.scrape import DAEMON_PORT, Endpoint, parse_base_url, parse_url, parse_url_list
 
 
 @pytest.mark.parametrize(("text", "url"), [
@@ -72,3 +72,15 @@ def test_without_a_where_the_message_starts_with_the_input() -> None:
     """argparse names the flag itself (`argument --daemon: ...`): the reader's line does not name it again."""
     with pytest.raises(ConfigError, match=r"^'ftp://x:1' is not a metrics URL; expected HOST:PORT"):
         parse_url("ftp://x:1", "")
+
+
+def test_an_engines_base_url_has_no_path_query_or_credentials() -> None:
+    """The guard's --upstream: the guard adds the engine's paths and sends the client's own headers."""
+    assert [parse_base_url(t).url for t in ("http://vm:8000/", "vm:8000", "https://[::1]")] == [
+        "http://vm:8000", "http://vm:8000", "https://[::1]:443"]
+    for text, says in (("http://vm:8000/v1", "has the path '/v1'"), ("http://vm:8000?x=1", "has the path '?x=1'"),
+                       ("http://u:pw@vm:8000", "'http://vm:8000' is not a base URL (it has credentials)"),
+                       ("ftp://vm", "is not a base URL; expected the engine's base URL")):
+        with pytest.raises(ConfigError, match=r"^--upstream: ") as caught:
+            parse_base_url(text, "--upstream")
+        assert says in str(caught.value) and "pw" not in str(caught.value), caught.value

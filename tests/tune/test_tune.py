@@ -3,8 +3,10 @@ the rebuild of a state by allocating, and the verify probe's fresh process (the 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from telemetry.model.tune.rebuild import compare, rebuild
 from telemetry.model.tune.search import Outcome, Problem, evaluate, tune
 from telemetry.model.tune.space import SearchSpace, SearchSpaceError, expand, process_setting
 from telemetry.model.tune.verify import SnapshotSource, run_probe
-from telemetry.tune.engines import ENGINES, apply_settings, paste_lines
+from telemetry.tune.engines import ENGINES, apply_settings, modes, paste_lines
 
 SNAPSHOTS = Path(__file__).resolve().parents[1] / "fixtures" / "allocator-snapshots" / "h200-torch2.11"
 SNAPSHOT = SNAPSHOTS / "seeded-default-stock-state24k.snapshot.json.gz"   # a real H200 snapshot, 35 segments
@@ -106,6 +108,27 @@ def test_lines_to_paste_give_the_setting() -> None:
     applied = apply_settings(ENGINES["sglang"], dataclasses.replace(setting, mode="stock"), None)
     assert applied["flags"] == ["--chunked-prefill-size", "4096"]
     assert "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB" not in applied["env"]
+
+
+def test_tune_reads_each_engine_from_its_module() -> None:
+    """Adding an engine stays one file: tune's engines are the registered ones that declare a `Tuning`, and
+    telemetry/tune/engines.py types none of their names, presets, flags or variables (outside its docstrings)."""
+    from telemetry.engines import ENGINES as REGISTERED
+
+    assert {e.name: e for e in REGISTERED if e.tuning is not None} == ENGINES
+    assert list(ENGINES) == ["vllm", "sglang", "lab"]
+    words: set[str] = set()
+    for engine in ENGINES.values():
+        mode = "fixed" if "fixed" in modes(engine) else "stock"
+        applied = apply_settings(engine, process_setting(SHAPE, "expandable_segments:True", mode), 0.5)
+        words |= {engine.name, engine.tuning.preset, *applied["env"], *(f for f in applied["flags"] if f[:2] == "--")}
+    words.discard("PYTORCH_CUDA_ALLOC_CONF")   # every engine's: tune sets it itself
+    tree = ast.parse((Path(__file__).parents[2] / "telemetry" / "tune" / "engines.py").read_text())
+    documentation = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+    strings = [n.value for n in ast.walk(tree)
+               if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in documentation]
+    typed = sorted({w for w in words for text in strings if re.search(rf"(?<![\w-]){re.escape(w)}(?![\w-])", text)})
+    assert len(words) > 10 and typed == []
 
 
 @pytest.mark.parametrize("name", ["seeded-default-stock-state24k", "seeded-default-fixed-state64k"])

@@ -24,6 +24,7 @@ from telemetry.catalogue.metrics import (
     FORECAST_LAST_DURATION,
     FORECAST_LAST_SUCCESS,
     FORECAST_MAX_PREFILL_TOKENS,
+    FORECAST_MAX_PREFILL_TOKENS_AT_BEST,
     FORECAST_PEAK_RESERVED,
     FORECAST_RESERVED_GROWTH,
     FORECAST_SNAPSHOT_READER_INFO,
@@ -71,6 +72,8 @@ class ForecastCollector(Collector):
         if results.max_fit is not None and results.budget is not None:
             yield _one(FORECAST_MAX_PREFILL_TOKENS, results.max_fit.tokens, rank, node)
             yield _one(FORECAST_FIT_BUDGET, results.budget.budget_bytes, rank, node)
+            if results.at_best is not None:
+                yield _one(FORECAST_MAX_PREFILL_TOKENS_AT_BEST, results.at_best.tokens, rank, node)
         if results.last_duration_s is not None:
             yield _one(FORECAST_LAST_DURATION, results.last_duration_s, rank, node)
         if results.last_success_s is not None:

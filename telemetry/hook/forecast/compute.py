@@ -1,4 +1,10 @@
-"""One forecast cycle's simulation, from the allocator's segments: the forecasts and the longest prefill that fits.
+"""One forecast cycle's simulation, from the allocator's segments: the forecasts and the longest prefill that fits,
+now and at best.
+
+At best is the same search on the state with the allocator's cache released (`released_cache`: what
+torch.cuda.empty_cache() would give back; live blocks, the KV cache and the weights included, stay), against the
+same limit (the budget already counts what the allocator holds free). It costs nothing more where nothing is cached
+or the limit now is max-model-len already, and is never below the limit now (a rank that fits a prefill now can).
 
 What the helper process runs for the hook's forecast thread (helper.py), and the thread itself where no helper
 can run (in-process). Also the plain-data form of its input and output, for the pipe between them.
@@ -7,6 +13,7 @@ can run (in-process). Also the plain-data form of its input and output, for the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +33,7 @@ class CycleOutput:
     forecasts: tuple[Forecast, ...]           # empty when none were asked for
     budget: FitBudget | None
     max_fit: MaxFit | None
+    at_best: MaxFit | None = None             # the search with the cache released (None with max_fit)
 
 
 def run_cycle(segments: Any, device: int | None, workload: ForecastWorkload, conf: str, tokens: tuple[int, ...],
@@ -34,7 +42,7 @@ def run_cycle(segments: Any, device: int | None, workload: ForecastWorkload, con
     the longest prefill within the budget.
     Raises SnapshotError (a ConfigError) for a state the simulator does not model; anything else is a failure
     of the simulation."""
-    from telemetry.model.allocsim.snapshot import read_allocator_state
+    from telemetry.model.allocsim.snapshot import read_allocator_state, released_cache
     from telemetry.model.indexer.fit import max_prefill_tokens
     from telemetry.model.indexer.forecast import forecast
 
@@ -46,15 +54,20 @@ def run_cycle(segments: Any, device: int | None, workload: ForecastWorkload, con
     counters = state.counters
     forecasts = tuple(forecast(state, workload.shape, n, mode=workload.mode,  # type: ignore[arg-type]
                                alloc_conf=conf, pattern=workload.pattern, pause=pause) for n in tokens)
-    budget = max_fit = None
+    budget = max_fit = at_best = None
     if base is not None:
         budget = base.for_allocator(counters.allocated_bytes, counters.reserved_bytes)
-        max_fit = max_prefill_tokens(state, workload.shape, limit_bytes=budget.limit_bytes,
-                                     mode=workload.mode,  # type: ignore[arg-type]
-                                     alloc_conf=with_fraction(conf, base.fraction),
-                                     pattern=workload.pattern, total_memory=budget.total_memory, pause=pause,
-                                     release_cache_on_oom=not budget.shared)
-    return CycleOutput(counters.allocated_bytes, counters.reserved_bytes, forecasts, budget, max_fit)
+        search = functools.partial(max_prefill_tokens, shape=workload.shape, limit_bytes=budget.limit_bytes,
+                                   mode=workload.mode,  # type: ignore[arg-type]
+                                   alloc_conf=with_fraction(conf, base.fraction),
+                                   pattern=workload.pattern, total_memory=budget.total_memory, pause=pause,
+                                   release_cache_on_oom=not budget.shared)
+        max_fit = search(state)
+        emptied = released_cache(state)
+        at_best = max_fit
+        if emptied is not state and max_fit.first_misfit is not None:
+            at_best = max(search(emptied), max_fit, key=lambda fit: fit.tokens)
+    return CycleOutput(counters.allocated_bytes, counters.reserved_bytes, forecasts, budget, max_fit, at_best)
 
 
 def with_fraction(conf: str, fraction: float | None) -> str:
@@ -98,7 +111,8 @@ def encode_output(output: CycleOutput) -> dict[str, Any]:
             "forecasts": [{**f.as_json(), "start": list(f.start)} for f in output.forecasts],
             "budget": None if budget is None else [budget.budget_bytes, budget.limit_bytes, budget.memory,
                                                    budget.total_memory, budget.detail, budget.shared],
-            "max_fit": None if max_fit is None else max_fit.as_json()}
+            "max_fit": None if max_fit is None else max_fit.as_json(),
+            "at_best": None if output.at_best is None else output.at_best.as_json()}
 
 
 def decode_output(doc: dict[str, Any]) -> CycleOutput:
@@ -111,7 +125,8 @@ def decode_output(doc: dict[str, Any]) -> CycleOutput:
         *f["start"]), "growth_steps": tuple(GrowthStep(**g) for g in f["growth_steps"])}) for f in doc["forecasts"])
     budget = None if doc["budget"] is None else FitBudget(*doc["budget"])
     max_fit = None if doc["max_fit"] is None else MaxFit(**doc["max_fit"])
-    return CycleOutput(doc["allocated"], doc["reserved"], forecasts, budget, max_fit)
+    at_best = None if doc.get("at_best") is None else MaxFit(**doc["at_best"])
+    return CycleOutput(doc["allocated"], doc["reserved"], forecasts, budget, max_fit, at_best)
 
 
 __all__ = ["CycleOutput", "decode_output", "decode_request", "encode_output", "encode_request", "run_cycle",

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import ConfigError
 from telemetry.hook import allocator
 from telemetry.hook.forecast.helper import ForecastHelper, HelperError, ShadowInput
@@ -94,6 +95,7 @@ class ForecastResults:
     helper_cpu_seconds: float = 0.0          # CPU time the helper process spent simulating (not this process's)
     snapshot_reader: str | None = None       # which reader took the last snapshot (snapshot_native.reader)
     resyncs: dict[str, int] = field(default_factory=dict)   # full snapshots of the event shadow, by reason
+    at_best: MaxFit | None = None            # the longest prefill that would fit with the cache released (compute.py)
 
 
 def _same(segments: Any, last: Any, pause: Callable[[], None], batch: int = 64) -> bool:
@@ -299,7 +301,8 @@ class Forecaster:
             # allocator frees and retries on the way.
             if budget is None or (previous.max_fit is not None and previous.max_fit.limit_bytes == budget.limit_bytes):
                 self._succeeded(workload, previous.forecasts, started, taken_at, budget,
-                                previous.max_fit if budget is not None else None)
+                                previous.max_fit if budget is not None else None,
+                                previous.at_best if budget is not None else None)
                 return True
         if self._stop.is_set():
             return False
@@ -319,7 +322,7 @@ class Forecaster:
         self._last_key, self._last_segments = key, segments
         self._last_counters = (output.allocated_bytes, output.reserved_bytes)
         forecasts = previous.forecasts if same else output.forecasts
-        self._succeeded(workload, forecasts, started, taken_at, output.budget, output.max_fit)
+        self._succeeded(workload, forecasts, started, taken_at, output.budget, output.max_fit, output.at_best)
         return True
 
     def _take(self) -> tuple[Any, int | None] | None:
@@ -436,8 +439,8 @@ class Forecaster:
             self.results = replace(self.results, failures=failures)
             said, self._said_off = self._said_off, True
         if not said:
-            log.warning("memtel: live forecast off in pid %d: %s; memtel_forecast_failures_total{reason=%r} counts "
-                        "its cycles", os.getpid(), why, UNAVAILABLE)
+            log.warning("memtel: live forecast off in pid %d: %s; %s{reason=%r} counts its cycles", os.getpid(), why,
+                        catalogue.FORECAST_FAILURES.series, UNAVAILABLE)
 
     def _budget_base(self, device: int | None) -> BudgetBase | None:
         """The fit budget's base now; None (counted under `budget` when reading it failed, said once when there is
@@ -451,10 +454,9 @@ class Forecaster:
             self._tally(BUDGET)
             if not self._budget_failing:
                 self._budget_failing = True
-                log.warning("memtel: live forecast in pid %d: cannot read the fit budget (%s): "
-                            "memtel_forecast_max_prefill_tokens is left out until it can; "
-                            "memtel_forecast_failures_total{reason=\"%s\"} counts each cycle", os.getpid(), error,
-                            BUDGET)
+                log.warning("memtel: live forecast in pid %d: cannot read the fit budget (%s): %s is left out until "
+                            "it can; %s{reason=\"%s\"} counts each cycle", os.getpid(), error,
+                            catalogue.FORECAST_MAX_PREFILL_TOKENS.series, catalogue.FORECAST_FAILURES.series, BUDGET)
             return None
         if self._budget_failing:
             self._budget_failing = False
@@ -465,16 +467,18 @@ class Forecaster:
         if base is None and not self._said_no_budget:
             self._said_no_budget = True
             log.info("memtel: live forecast in pid %d: no fit budget (the allocator source gives none: "
-                     "set_forecast_budget); memtel_forecast_max_prefill_tokens is not exported", os.getpid())
+                     "set_forecast_budget); %s is not exported", os.getpid(),
+                     catalogue.FORECAST_MAX_PREFILL_TOKENS.series)
         return base
 
     def _succeeded(self, workload: ForecastWorkload, forecasts: tuple[Forecast, ...], started: float,
-                   taken_at: float, budget: FitBudget | None = None, max_fit: MaxFit | None = None) -> None:
+                   taken_at: float, budget: FitBudget | None = None, max_fit: MaxFit | None = None,
+                   at_best: MaxFit | None = None) -> None:
         with self._lock:
             old = self.results
             self.results = ForecastResults(workload, forecasts, time.perf_counter() - started, taken_at,
                                            old.failures, old.cpu_seconds, budget, max_fit, old.helper_cpu_seconds,
-                                           old.snapshot_reader, old.resyncs)
+                                           old.snapshot_reader, old.resyncs, at_best)
 
     def _failed(self, reason: str, error: object, started: float) -> None:
         with self._lock:
@@ -501,8 +505,8 @@ class Forecaster:
                 return
             self._last_log, unlogged, self._unlogged = now, self._unlogged, 0
         more = f" ({unlogged} more failures in the last minute)" if unlogged else ""
-        log.warning("memtel: live forecast failed in pid %d (%s): %s%s; memtel_forecast_failures_total counts them, "
-                    "next try in %g s", os.getpid(), reason, error, more, self.interval_s)
+        log.warning("memtel: live forecast failed in pid %d (%s): %s%s; %s counts them, next try in %g s",
+                    os.getpid(), reason, error, more, catalogue.FORECAST_FAILURES.series, self.interval_s)
 
     # ---- the thread -----------------------------------------------------------------------------
 

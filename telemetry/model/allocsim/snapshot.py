@@ -1,4 +1,5 @@
-"""A live allocator's state from a memory snapshot, and a simulator seeded with it.
+"""A live allocator's state from a memory snapshot, a simulator seeded with it, and the state as
+`torch.cuda.empty_cache()` would leave it (`released_cache`: the hook's "at best").
 
 Input: the segment list `torch.cuda.memory_snapshot()` returns (a list, e.g. saved as JSON), or the
 dict `torch.cuda.memory._snapshot()` returns and `_dump_snapshot()` pickles (its `segments`; its
@@ -24,7 +25,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeGuard
 
 from telemetry.allocator_counters import AllocatorCounters
@@ -32,7 +33,7 @@ from telemetry.errors import ConfigError, shown
 from telemetry.limits import MAX_SNAPSHOT_BLOCKS, MAX_SNAPSHOT_OBJECTS
 
 from .config import SIZE_MAX, AllocatorConfig, AllocatorConfigError, format_alloc_conf, parse_alloc_conf, same_settings
-from .simulator import CachingAllocatorSim
+from .simulator import LARGE_BUFFER, SMALL_BUFFER, CachingAllocatorSim
 from .snapshot_file import DEFAULT_MAX_BYTES, objects_limit_error, read_snapshot_file
 
 BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
@@ -278,6 +279,59 @@ def read_allocator_state(doc: Any, *, device: int | None = None, source: str = "
     return AllocatorState(device, streams[0] if streams else 0, default, private, alloc_conf, tuple(notes))
 
 
+def released_cache(state: AllocatorState) -> AllocatorState:
+    """The state as `torch.cuda.empty_cache()` would leave it: every default-pool segment that holds no live block
+    released, and under expandable segments every whole page of a free run unmapped (what c10's `release_blocks`
+    does; CachingAllocatorSim.empty_cache is the same rule, on a running simulator). Live blocks stay where they
+    are; private pools' segments stay (a pool's cache goes back only when the pool itself is freed). Blocks
+    freed but still in use on another stream count as free, as empty_cache synchronizes their events first.
+    The same object when nothing would be released."""
+    kept: list[SnapshotSegment] = []
+    for segment in state.segments:
+        if segment.expandable:
+            kept.extend(_unmapped_free_pages(segment))
+        elif any(block.live for block in segment.blocks):
+            kept.append(segment)
+    if len(kept) == len(state.segments) and all(a is b for a, b in zip(kept, state.segments, strict=True)):
+        return state
+    return replace(state, segments=tuple(kept))
+
+
+def _unmapped_free_pages(segment: SnapshotSegment) -> list[SnapshotSegment]:
+    """One expandable mapped range with the whole pages of each free run unmapped: the mapped ranges left."""
+    page = SMALL_BUFFER if segment.small else LARGE_BUFFER
+    pieces: list[list[SnapshotBlock]] = [[]]   # the mapped ranges left, each a list of blocks
+    run: list[SnapshotBlock] = []
+
+    def end_run() -> None:
+        if not run:
+            return
+        start, end = run[0].address, run[-1].address + run[-1].size
+        first = start + -(start - segment.address) % page   # the first page boundary at or after the run
+        last = end - (end - segment.address) % page          # the last page boundary at or before it
+        if first >= last:                                    # no whole page: the run stays mapped as it was
+            pieces[-1].extend(run)
+        else:
+            if first > start:
+                pieces[-1].append(SnapshotBlock(start, first - start, "inactive"))
+            pieces.append([])
+            if end > last:
+                pieces[-1].append(SnapshotBlock(last, end - last, "inactive"))
+        run.clear()
+
+    for block in segment.blocks:
+        if block.live:
+            end_run()
+            pieces[-1].append(block)
+        else:
+            run.append(block)
+    end_run()
+    if len(pieces) == 1:
+        return [segment]
+    return [SnapshotSegment(blocks[0].address, sum(b.size for b in blocks), segment.small, True, segment.stream,
+                            segment.pool_id, tuple(blocks)) for blocks in pieces if blocks]
+
+
 def load_allocator_state(path: str | os.PathLike[str], *, device: int | None = None,
                          max_bytes: int = DEFAULT_MAX_BYTES, max_objects: int = MAX_SNAPSHOT_OBJECTS,
                          max_blocks: int = MAX_SNAPSHOT_BLOCKS) -> AllocatorState:
@@ -310,4 +364,4 @@ def seeded_simulator(state: AllocatorState, config: str | AllocatorConfig | None
 
 
 __all__ = ["BLOCK_STATES", "UINT64_END", "AllocatorState", "SnapshotBlock", "SnapshotError", "SnapshotSegment",
-           "load_allocator_state", "read_allocator_state", "seeded_simulator", "shown"]
+           "load_allocator_state", "read_allocator_state", "released_cache", "seeded_simulator", "shown"]

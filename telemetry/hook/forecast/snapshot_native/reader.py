@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import shown
 
 log = logging.getLogger("memtel.hook")
@@ -269,8 +270,8 @@ class NativeSnapshots:
         self.off = why
         (log.info if quiet else log.warning)(
             "memtel: live forecast in pid %d: native snapshot reader off (%s): taking torch.cuda.memory_snapshot() "
-            "instead, which holds the GIL while it builds the segments (memtel_forecast_snapshot_reader_info"
-            "{reader=\"%s\"})", os.getpid(), why, MEMORY_SNAPSHOT)
+            "instead, which holds the GIL while it builds the segments (%s{reader=\"%s\"})", os.getpid(), why,
+            catalogue.FORECAST_SNAPSHOT_READER_INFO.series, MEMORY_SNAPSHOT)
 
     def forget_after_fork(self) -> None:
         """A forked child does not own the parent's build: it looks again at its first cycle (a build still
