@@ -110,44 +110,39 @@ class AtBestBook:
         return max(found) if found else None
 
 
-def replica_at_best(tracker: LimitTracker) -> AtBest | None:
-    """A replica's at-best: its smallest rank's highest clean reading (or its gauges now, where higher); None unless
-    every hook is fresh and every rank has a clean reading (`tracker.at_best_unknown` says why)."""
+def replica_at_best(tracker: LimitTracker) -> tuple[AtBest | None, str | None]:
+    """(a replica's at-best: its smallest rank's highest clean reading, or its gauges now where higher; why it is
+    unknown). Known only where every hook is fresh and every rank has a clean reading."""
     fresh = {(hook.target.url, fit.rank, fit.node) for hook, fit in tracker.fresh()}
     found: list[AtBest] = []
     for hook in tracker.hooks:
         url = hook.target.url
         if not hook.fits or any((url, fit.rank, fit.node) not in fresh for fit in hook.fits):
-            tracker.at_best_unknown = f"{url}: not fresh"
-            return None
+            return None, f"{url}: not fresh"
         for fit in hook.fits:
             if fit.at_best_tokens is None:
-                tracker.at_best_unknown = (f"rank {fit.rank} on node {fit.node} exports no at-best limit (a hook older "
-                                           "than the gauge)")
-                return None
+                return None, (f"rank {fit.rank} on node {fit.node} exports no at-best limit (a hook older than "
+                              "the gauge)")
             best = tracker.book.best(url, fit)
             if best is None:
-                tracker.at_best_unknown = (f"rank {fit.rank} on node {fit.node}: no at-best limit measured in the last "
-                                           f"{tracker.book.window_s:g} s while the guard had no prefill in flight")
-                return None
+                return None, (f"rank {fit.rank} on node {fit.node}: no at-best limit measured in the last "
+                              f"{tracker.book.window_s:g} s while the guard had no prefill in flight")
             # The rank's gauges now are lower bounds of its at-best too (what fits now fits at rest; a snapshot
             # taken mid-prefill understates it): never below them, where they are above the clean readings.
             now = max(fit.at_best_tokens, fit.max_prefill_tokens)
             tokens, at = (best[0], best[1]) if best[0] >= now else (now, fit.forecast_time or best[1])
             found.append(AtBest(tokens, fit.rank, fit.node, url, at))
     if not found:
-        tracker.at_best_unknown = "no rank"
-        return None
-    tracker.at_best_unknown = None
-    return min(found, key=lambda a: a.tokens)
+        return None, "no rank"
+    return min(found, key=lambda a: a.tokens), None
 
 
 def deployment_at_best(trackers: Sequence[LimitTracker]) -> tuple[AtBest | None, str | None]:
     """(the deployment's at-best: the best replica's, None unless every replica's is known; why it is not)."""
     found = [replica_at_best(tracker) for tracker in trackers]
-    if all(a is not None for a in found) and found:
-        return max((a for a in found if a is not None), key=lambda a: a.tokens), None
-    return None, "; ".join(t.at_best_unknown for t in trackers if t.at_best_unknown) or "no replica"
+    if found and all(best is not None for best, _why in found):
+        return max((best for best, _why in found if best is not None), key=lambda a: a.tokens), None
+    return None, "; ".join(why for _best, why in found if why) or "no replica"
 
 
 __all__ = ["AT_BEST_WINDOW_S", "CLEAN_SLACK_S", "AtBest", "AtBestBook", "deployment_at_best", "replica_at_best"]

@@ -157,7 +157,6 @@ class LimitTracker:
                  at_best_window_s: float = AT_BEST_WINDOW_S) -> None:
         self.hooks = [HookState(t) for t in targets]
         self.book = AtBestBook(at_best_window_s)  # clean at-best readings, prefills in flight (at_best.py)
-        self.at_best_unknown: str | None = "no answer yet"  # why `at_best()` was None last
         self.stale_s = stale_s
         self.reserve_bytes = reserve_bytes
         self.in_prefill_tokens = 0
@@ -236,7 +235,7 @@ class LimitTracker:
 
     def at_best(self) -> AtBest | None:
         """The most this replica could take with its caches empty, where it can be trusted (at_best.py)."""
-        return replica_at_best(self)
+        return replica_at_best(self)[0]
 
     def hold(self, tokens: int) -> None:
         """An admitted request's prefill starts (every admission, 0 tokens for one admitted blind)."""

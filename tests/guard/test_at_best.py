@@ -132,21 +132,13 @@ def hook():
 
 
 @pytest.fixture
-def make_guard(upstream, hook, monkeypatch):
+def make_guard(start_guard, hook, monkeypatch):
     monkeypatch.setattr(at_best_module, "CLEAN_SLACK_S", 0.05)   # loopback: one clock, no margin of seconds needed
-    started: list[RunningGuard] = []
 
     def make(queue_s: float = 0.0) -> RunningGuard:
-        running = RunningGuard(upstream.url, [hook.url], limits=GuardLimits(queue_s=queue_s, max_queued=8))
-        started.append(running)
-        running.wait_for(lambda: running.tracker.published is not None)
-        return running
+        return start_guard([hook.url], limits=GuardLimits(queue_s=queue_s, max_queued=8))
 
-    yield make
-    if upstream.hold is not None:
-        upstream.hold.set()
-    for running in started:
-        running.stop()
+    return make
 
 
 @pytest.fixture(autouse=True)

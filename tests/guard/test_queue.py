@@ -25,22 +25,13 @@ def hook():
 
 
 @pytest.fixture
-def make_guard(upstream, hook):
-    started: list[RunningGuard] = []
-
+def make_guard(start_guard, hook):
     def make(queue_s: float = 2.0, max_queued: int = 8, stale_s: float = 2.0) -> RunningGuard:
-        running = RunningGuard(upstream.url, [hook.url], stale_s=stale_s,
-                               limits=GuardLimits(queue_s=queue_s, max_queued=max_queued))
-        started.append(running)
-        running.wait_for(lambda: running.tracker.published is not None
-                         and running.tracker.published.rank_tokens == STATE["limit"])
-        return running
+        return start_guard([hook.url], stale_s=stale_s, limits=GuardLimits(queue_s=queue_s, max_queued=max_queued),
+                           ready=lambda g: g.tracker.published is not None
+                           and g.tracker.published.rank_tokens == STATE["limit"])
 
-    yield make
-    if upstream.hold is not None:
-        upstream.hold.set()
-    for running in started:
-        running.stop()
+    return make
 
 
 @pytest.fixture(autouse=True)
