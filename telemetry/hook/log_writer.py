@@ -84,6 +84,8 @@ class CallLogWriter:
         self._wake = threading.Event()
         self._stop = False
         self._io_lock = threading.RLock()  # re-entrant: a SIGTERM flush may interrupt a flush
+        self._flushing: int | None = None   # the thread inside flush() now: its taken lines are not written yet
+        self._after_flush: Callable[[], Any] | None = None   # a signal's action, held until that flush ends
         self._thread: threading.Thread | None = None
         self._fd: int | None = None
         self._size = 0        # bytes of whole lines in the file: where a torn line is cut back to
@@ -166,15 +168,35 @@ class CallLogWriter:
             self.flush()
 
     def flush(self) -> None:
-        """Write every waiting record now (writer thread, exit, SIGTERM, `handle.flush()`). Never raises."""
+        """Write every waiting record now (writer thread, exit, SIGTERM, `handle.flush()`). Never raises
+        itself; a signal's action held by `flush_then` runs at its end, and may raise as it would have."""
         try:
             with self._io_lock:
-                lines = self._take()
-                if lines:
-                    self._write(lines)
+                self._flushing = threading.get_ident()
+                try:
+                    lines = self._take()
+                    if lines:
+                        self._write(lines)
+                finally:
+                    self._flushing = None
         except Exception as error:  # a bug or an odd file system: never into the host
             self.state.count_error("", "log_write")
             self._warn(f"writing failed unexpectedly ({error!r})", 0)
+        after, self._after_flush = self._after_flush, None
+        if after is not None:
+            after()
+
+    def flush_then(self, action: Callable[[], Any]) -> Any:
+        """Flush, then `action` (a signal handler's: end the process). A signal handler runs on the main
+        thread between two bytecodes, which can be inside a flush of that same thread (a multiprocessing
+        child's exit flush when the pool's terminate() sends SIGTERM): the lines that flush has taken are
+        in its hands only. Flushing again and ending the process there would lose them, so the action is
+        held and that flush runs it once its lines are written."""
+        if self._flushing == threading.get_ident():
+            self._after_flush = action
+            return None
+        self.flush()
+        return action()
 
     def _take(self) -> list[str]:
         if self._rank is None:

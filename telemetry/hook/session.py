@@ -460,7 +460,12 @@ class HookSession:
             pass
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> Any:
-        self.flush()
+        writer = self.recorder.log
+        if writer is None:
+            return self._previous_sigterm_action(signum, frame)
+        return writer.flush_then(lambda: self._previous_sigterm_action(signum, frame))
+
+    def _previous_sigterm_action(self, signum: int, frame: FrameType | None) -> Any:
         previous = self._previous_sigterm
         if callable(previous):
             return previous(signum, frame)

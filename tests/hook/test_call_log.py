@@ -81,6 +81,40 @@ def test_every_record_reaches_the_log_after_sigterm(tmp_path, mode, expected_sta
     assert (log_dir / "host-handler-ran").exists() == (mode == "host-handler")
 
 
+# A SIGTERM between a main-thread flush taking its lines and writing them: a pool worker flushing at its
+# exit when Pool.terminate() signals it (CI lost a worker's three records that way).
+INTERRUPTED_FLUSH = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import telemetry
+from telemetry.hook import session
+handle = telemetry.install(["child_mod:f"], port=None, log_dir=sys.argv[2], flush_interval_s=3600,
+                           flush_records=10**9)
+import child_mod
+for i in range(int(sys.argv[3])):
+    child_mod.f(i)
+writer = session._session.recorder.log
+write = writer._write
+def interrupted(lines):
+    os.kill(os.getpid(), signal.SIGTERM)   # the handler runs here, on this thread, before the lines are written
+    write(lines)
+writer._write = interrupted
+handle.flush()
+print("the process went on after SIGTERM", flush=True)
+"""
+
+
+def test_a_sigterm_in_the_middle_of_a_flush_on_the_same_thread_loses_nothing_and_still_ends_it(tmp_path):
+    calls = 500
+    (tmp_path / "child_mod.py").write_text("def f(x):\n    return x\n")
+    log_dir = tmp_path / "logs"
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_FLUSH, str(tmp_path), str(log_dir), str(calls)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, env=child_env())
+    assert done.returncode == -signal.SIGTERM and "went on" not in done.stdout   # ended the way it would have
+    (log,) = log_dir.glob("*.jsonl")
+    assert [json.loads(line)["call"] for line in log.read_text().splitlines()] == list(range(calls))
+
+
 def test_every_record_reaches_the_log_at_normal_exit(tmp_path):
     (tmp_path / "exit_mod.py").write_text("def f(x):\n    return x\n")
     code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r})\nimport telemetry\n"
