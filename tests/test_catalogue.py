@@ -443,7 +443,7 @@ def _collectors(tmp_path: Path) -> dict[str, Collector]:
     from telemetry.guard.metrics import GuardCollector, GuardMetrics
     from telemetry.hook.engine import EngineCollector, EngineMemory, EngineTracker, ProcessNow
     from telemetry.hook.state import HookState
-    from telemetry.scrape import parse_url
+    from telemetry.url import parse_url
 
     trackers = [LimitTracker([parse_url(f"http://127.0.0.1:{port}")], stale_s=60) for port in (1, 2)]
     for tracker in trackers:   # a fresh forecast from each: a limit in force on both replicas

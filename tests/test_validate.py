@@ -145,4 +145,6 @@ def test_url_needs_http_a_host_and_a_number_port_and_loses_its_trailing_slash():
     assert v.url("http://127.0.0.1:8000/", "u") == "http://127.0.0.1:8000"
     assert "expected an http(s) URL" in message(lambda: v.url("spark-a:9101", "nodes.spark-a"))
     assert "expected an http(s) URL" in message(lambda: v.url("http://[::1:80", "u"))  # unclosed bracket
-    assert message(lambda: v.url("http://h:99999", "u")) == "f: u: bad port in URL 'http://h:99999'"
+    assert message(lambda: v.url("http://h:99999", "u")) == (
+        "f: u: expected an http(s) URL such as http://127.0.0.1:8000, got 'http://h:99999', which has no valid host "
+        "and port")

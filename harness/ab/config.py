@@ -20,13 +20,13 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from harness.ab.gates import Gate, parse_gates
 from harness.ab.rundir import name_problem, relative_path_problem
 from harness.ab.tuned import TunedArm, apply_tuned, read_tuned
 from telemetry import limits
 from telemetry.errors import ConfigError
+from telemetry.url import parse_http_url
 from telemetry.validate import (
     LADDER,
     Field,
@@ -320,8 +320,8 @@ class _Parser(Validator):
         if data.get("url") is not None:
             url = self.url(data["url"], join(path, "url"))
         elif serve is not None:
-            parts = urlsplit(serve.health_url)
-            url = f"{parts.scheme}://{parts.netloc}"  # the server's base URL is the health URL's origin
+            # the server's base URL is the health URL's origin (its credentials too: the client sends them)
+            url = parse_http_url(serve.health_url).base_with_credentials
         else:
             raise self.fail(path, "an arm needs `url` (a server someone else runs) or `serve` (a command to start)")
         ranks = self.url_map(data["ranks"], join(path, "ranks")) if data.get("ranks") is not None else None
@@ -437,8 +437,8 @@ def _scalar_text(value: Any) -> Any:
 # --- reachability (network; called by the runner before anything starts) ---
 
 def _origin(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    endpoint = parse_http_url(url)
+    return endpoint.host, endpoint.port
 
 
 def _tcp_open(host: str, port: int, timeout: float) -> str | None:

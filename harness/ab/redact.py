@@ -13,7 +13,7 @@ go through one `Redactor`:
   value becomes `***`. Whole words, not substrings, so `--max-num-batched-tokens 8192` and
   `--tokenizer PATH` stay readable;
 - URL credentials (`scheme://user:password@host`, `scheme://token@host`) become `scheme://***@host`
-  anywhere in any text;
+  anywhere in any text (`redact_credentials` of telemetry/url.py, memtel's one URL parser);
 - every secret value above (and those of the harness's own secret-looking environment variables, which
   a served command inherits and may print) of at least `MIN_SECRET_CHARS` characters is replaced by
   `***` wherever it appears in any text (error messages, log tails, the ladder file's text).
@@ -26,18 +26,18 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+
+from telemetry.errors import ConfigError
+from telemetry.url import REDACTED, parse_http_url, redact_credentials
 
 if TYPE_CHECKING:
     from harness.ab.config import Ladder
 
-REDACTED = "***"
 SECRET_NAME_PARTS = ("token", "key", "secret", "password", "passwd", "auth", "credential")
 SECRET_OPTION_WORDS = ("token", "key", "secret", "password", "passwd", "auth", "authorization", "credential",
                        "credentials")
 MIN_SECRET_CHARS = 6  # shorter values are redacted where they are named (env, options), not searched for in text
 
-_URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#@\s\"'<>]+@")
 # key: value in YAML (block or flow style), for the ladder file's text
 _YAML_PAIR = re.compile(r"""(?m)(?P<head>(?:^|[{,\s])["']?(?P<key>[A-Za-z_][\w.-]*)["']?\s*:[ \t]*)"""
                         r"""(?P<value>"(?:[^"\\\n]|\\.)*"|'[^'\n]*'|[^\s,}\]#][^,}\]#\n]*)""")
@@ -57,19 +57,12 @@ def is_secret_option(option: str) -> bool:
     return any(word.endswith(secret) for word in words if word for secret in SECRET_OPTION_WORDS)
 
 
-def redact_url_credentials(text: str) -> str:
-    """`text` with every `scheme://userinfo@` written `scheme://***@`."""
-    return _URL_CREDENTIALS.sub(lambda m: m.group(1) + REDACTED + "@", text)
-
-
 def url_credentials(url: str) -> str | None:
-    """The userinfo of a URL (`user:password`, or a token), or None."""
+    """The userinfo of a URL (`user:password`, or a token) as written, or None (telemetry/url.py parses it)."""
     try:
-        netloc = urlsplit(url).netloc
-    except ValueError:
+        return parse_http_url(url, "").userinfo or None
+    except ConfigError:
         return None
-    userinfo, at, _host = netloc.rpartition("@")
-    return userinfo if at and userinfo else None
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -101,7 +94,7 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
                 arg = arg.split("=", 1)[0] + "=" + REDACTED
             else:
                 hide_next = True
-        out.append(redact_url_credentials(arg))
+        out.append(redact_credentials(arg))
     return out
 
 
@@ -135,7 +128,7 @@ class Redactor:
         return cls(secrets)
 
     def text(self, text: str) -> str:
-        text = redact_url_credentials(text)
+        text = redact_credentials(text)
         for secret in self.secrets:
             if secret in text:
                 text = text.replace(secret, REDACTED)
@@ -178,5 +171,5 @@ class Redactor:
                                    ranks=self.value(ladder.ranks))
 
 
-__all__ = ["MIN_SECRET_CHARS", "REDACTED", "SECRET_NAME_PARTS", "SECRET_OPTION_WORDS", "Redactor", "is_secret_name",
-           "is_secret_option", "redact_argv", "redact_env", "redact_url_credentials", "url_credentials"]
+__all__ = ["MIN_SECRET_CHARS", "SECRET_NAME_PARTS", "SECRET_OPTION_WORDS", "Redactor", "is_secret_name",
+           "is_secret_option", "redact_argv", "redact_env", "url_credentials"]

@@ -32,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,8 @@ from telemetry.catalogue.metrics import (
     GUARD_REJECTED,
 )
 from telemetry.errors import RunError
-from telemetry.scrape import METRICS_PATH, Endpoint, Exposition, FetchError, read_metrics
+from telemetry.scrape import Exposition, FetchError, read_metrics
+from telemetry.url import METRICS_PATH, Endpoint, parse_base_url
 
 DEFAULT_CAPACITY_GB = 1.5
 # The node's shape: 4 indexer layers and a logits budget too large to split a launch, so the stock width's
@@ -78,11 +78,16 @@ def prompt_text(tokens: int, seed: int) -> str:
     return " ".join(words[i % len(words)] for i in range(tokens))
 
 
+def _connection(base_url: str, timeout_s: float) -> http.client.HTTPConnection:
+    """A connection to the server at `base_url` (the demo's own `http://127.0.0.1:PORT`)."""
+    endpoint = parse_base_url(base_url)
+    return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout_s)
+
+
 def post_completion(base_url: str, tokens: int, seed: int, timeout_s: float = 600.0) -> Outcome:
-    parts = urllib.parse.urlsplit(base_url)
     body = json.dumps({"model": "lab", "prompt": prompt_text(tokens, seed), "max_tokens": MAX_TOKENS}).encode()
     started = time.perf_counter()
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout_s)
+    conn = _connection(base_url, timeout_s)
     try:
         conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
         response = conn.getresponse()
@@ -225,9 +230,8 @@ def run_phase(name: str, base_url: str, node: Process, node_log: Path, node_url:
 
 
 def health_status(node_url: str) -> int | None:
-    parts = urllib.parse.urlsplit(node_url)
     try:
-        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=5)
+        conn = _connection(node_url, 5)
         conn.request("GET", "/health")
         status = conn.getresponse().status
         conn.close()
@@ -237,8 +241,7 @@ def health_status(node_url: str) -> int | None:
 
 
 def post_json(url: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=10)
+    conn = _connection(url, 10)
     try:
         conn.request("POST", path, body=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
         response = conn.getresponse()

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
-import re
 
 from telemetry.errors import ConfigError
+from telemetry.url import is_host
 
-# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOST_NAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?$")
 _EXAMPLES = "e.g. 0.0.0.0:9101, 127.0.0.1:9101, [::1]:9101 or node1.example:9101"
 
 
@@ -35,20 +32,12 @@ def parse_listen(text: object, where: str = "--listen") -> tuple[str, int]:
             raise ConfigError(f"{where}: {text!r}: an IPv6 address needs brackets, e.g. [::1]:9101")
         if "]" in host or "[" in host:
             raise ConfigError(f"{where}: {text!r} is not HOST:PORT ({_EXAMPLES})")
-        if host and not _is_ipv4(host) and not _HOST_NAME.match(host):
+        if host and not is_host(host):   # (no IPv6 here: a colon in the host was refused above)
             raise ConfigError(f"{where}: {host!r} in {text!r} is neither an IP address nor a host name")
         host = host or "0.0.0.0"
     if not port_text.isdigit() or len(port_text) > 5 or int(port_text) > 65535:
         raise ConfigError(f"{where}: port {port_text!r} in {text!r} is not a number from 0 to 65535")
     return host, int(port_text)
-
-
-def _is_ipv4(host: str) -> bool:
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def format_listen(host: str, port: int) -> str:

@@ -17,7 +17,8 @@ import time
 from telemetry.catalogue import metrics as catalogue
 from telemetry.catalogue.fields import ALLOCATOR_FAMILIES
 from telemetry.flight.recorder import series_key
-from telemetry.scrape import Endpoint, Exposition, ExpositionError, FetchError, parse, parse_url, read_metrics
+from telemetry.scrape import Exposition, ExpositionError, FetchError, parse, read_metrics
+from telemetry.url import Endpoint, parse_url
 
 log = logging.getLogger("memtel.daemon.flight")
 

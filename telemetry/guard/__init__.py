@@ -4,7 +4,7 @@
   room, given several) or answers 503.
 - `GuardQueue` (queue.py): a prompt that does not fit now waits for room (--queue-s) instead of a 503 at once.
 - replicas.py: the engines behind the guard from --upstream/--hooks, --replica or a --replicas YAML file (each URL
-  an `Endpoint` of the one URL parser, telemetry/scrape/url.py).
+  an `Endpoint` of the one URL parser, telemetry/url.py).
 - `LimitTracker` (limit.py): the hooks' forecasts, the limit in force, the blind episodes.
 - `PromptSize`, `measure` (prompt.py): a prompt's tokens bounded from above and below without a tokenizer.
 - `GuardMetrics`, `GuardCollector`, `guard_registry` (metrics.py): the guard's own Prometheus metrics.

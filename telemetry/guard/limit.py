@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from telemetry.catalogue import metrics as catalogue
 from telemetry.guard.at_best import AT_BEST_WINDOW_S, AtBest, AtBestBook, replica_at_best
 from telemetry.guard.http import ClientSide, UpstreamError, open_channel
-from telemetry.scrape import Endpoint, parse
+from telemetry.scrape import parse
+from telemetry.url import Endpoint
 
 log = logging.getLogger("memtel.guard")
 
@@ -131,7 +132,7 @@ def parse_hook(text: str) -> tuple[list[RankFit], list[str]]:
 
 @dataclass
 class HookState:
-    target: Endpoint  # the hook's exporter (`--hooks`: telemetry/scrape/url.py parses it)
+    target: Endpoint  # the hook's exporter (`--hooks`: telemetry/url.py parses it)
     fits: list[RankFit] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)  # ranks whose gauges make no sense, and why
     scraped_at: float | None = None  # monotonic time of the last successful scrape

@@ -57,7 +57,7 @@ from telemetry.guard.metrics import GuardMetrics
 from telemetry.guard.prompt import CHAT_COMPLETIONS, COMPLETIONS, PromptError, PromptSize, measure, parse_body
 from telemetry.guard.queue import ClientLeft, GuardQueue, QueueFull, needed, transient
 from telemetry.guard.refusal import MODELS_PATH, RETRY_AFTER_S, ContextLength, Refusal, behind, error_body
-from telemetry.scrape import Endpoint
+from telemetry.url import Endpoint
 
 log = logging.getLogger("memtel.guard")
 

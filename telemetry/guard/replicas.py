@@ -18,7 +18,7 @@ from typing import Any
 
 from telemetry.errors import ConfigError
 from telemetry.safeyaml import load_yaml_file
-from telemetry.scrape import Endpoint, parse_base_url, parse_url
+from telemetry.url import Endpoint, parse_base_url, parse_url
 
 MAX_HOOKS = 64  # per replica
 MAX_REPLICAS = 16

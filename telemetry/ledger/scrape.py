@@ -23,18 +23,8 @@ from typing import Any
 from telemetry.catalogue import FAMILIES, Family
 from telemetry.catalogue import metrics as catalogue
 from telemetry.ledger.lines import NodeLedger, ProcessLedger
-from telemetry.scrape import (
-    DAEMON_PORT,
-    METRICS_PATH,
-    Endpoint,
-    Exposition,
-    FetchError,
-    Sample,
-    hook_ports,
-    parse_url,
-    parse_url_list,
-    read_metrics,
-)
+from telemetry.scrape import DAEMON_PORT, Exposition, FetchError, Sample, hook_ports, read_metrics
+from telemetry.url import METRICS_PATH, Endpoint, parse_url, parse_url_list
 
 MAX_BODY_BYTES = 8 << 20     # a daemon's body is ~30 kB; a hook's with many sites a few hundred kB
 DEFAULT_TIMEOUT_S = 2.0
@@ -64,7 +54,7 @@ class Scrape:
 
 
 def metrics_url(text: str) -> str:
-    """`host:port`, `http://host:port` or a full URL -> the /metrics URL (telemetry/scrape/url.py); ConfigError
+    """`host:port`, `http://host:port` or a full URL -> the /metrics URL (telemetry/url.py); ConfigError
     for anything else."""
     return parse_url(text, "").url
 

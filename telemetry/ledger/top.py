@@ -23,8 +23,8 @@ from telemetry.ledger.cli import SECONDS, could_not_read, url_list
 from telemetry.ledger.render import PROCESS_HEADER, SORTS, node_block, process_row, size
 from telemetry.ledger.scrape import DEFAULT_DAEMON, LedgerReport, NodeView, Scrape, scrape_all, take_report
 from telemetry.ledger.stall import EngineState, StallWatch, engine_numbers
-from telemetry.scrape import METRICS_PATH, Endpoint, parse_url
 from telemetry.scrape.ports import LAB_PORT
+from telemetry.url import METRICS_PATH, Endpoint, parse_url
 
 TREND_WINDOW_S = 10.0
 KEYS = "[q]uit [p]ause [s]ort [r]efresh"

@@ -25,7 +25,7 @@ import httpx
 from telemetry.errors import ConfigError, shown
 from telemetry.guard.limit import MAX_METRICS_BYTES, HookState, Limit, LimitTracker, parse_hook
 from telemetry.guard.refusal import ContextLength
-from telemetry.scrape import Endpoint, parse_url
+from telemetry.url import Endpoint, parse_url
 
 HOOKS_KEY = "memtel_hooks"
 PIN_KEY = "memtel_deployment"  # the request's metadata: the deployment the pre-call hook admitted it to

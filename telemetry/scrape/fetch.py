@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from telemetry.catalogue import Family
 from telemetry.errors import printable, shown
 from telemetry.scrape.reader import Exposition, ExpositionError, parse_body
-from telemetry.scrape.url import Endpoint, parse_url
+from telemetry.url import Endpoint, parse_url
 
 MAX_REASON_CHARS = 120   # an endpoint's own words (a status line, a header) in the reason, escaped and cut
 
@@ -105,7 +105,7 @@ def _reason(error: BaseException) -> str:
 
 
 def get(url: Endpoint | str, deadline: float, max_bytes: int) -> bytes:
-    """The body of a 200 answer to GET `url` (http or https; telemetry/scrape/url.py), read whole before
+    """The body of a 200 answer to GET `url` (http or https; telemetry/url.py), read whole before
     `deadline` (time.monotonic()); FetchError otherwise."""
     endpoint = url if isinstance(url, Endpoint) else parse_url(url)
     host, port = endpoint.host, endpoint.port

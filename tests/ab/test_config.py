@@ -162,6 +162,9 @@ def test_serve_url_defaults_to_the_health_urls_origin_and_cwd_is_relative_to_the
     assert ladder.arms[1].url == "http://127.0.0.1:8002"
     serve = ladder.arms[1].serve
     assert serve is not None and serve.cwd == str((tmp_path / "sub").resolve())
+    # the origin as telemetry/url.py parses it, credentials kept for the client that sends them (never shown)
+    data["arms"][1]["serve"]["health_url"] = "http://probe:Pw%40x@[::1]:8002/health"
+    assert Ladder.from_dict(data).arms[1].url == "http://probe:Pw%40x@[::1]:8002"
 
 
 def test_yaml_syntax_error_and_missing_file_name_the_file(tmp_path):

@@ -280,3 +280,46 @@ def test_a_server_killed_mid_request_continue_serves_again_and_stop_arm_skips(tm
     report = (run_dir / "report.md").read_text()
     assert "- goes-on repeat 0 long: failed:" in report and "- stops repeat 0 after: skipped: server died" in report
     assert "goes-on repeat 0: 2 servers in one attempt" in report  # the restart is said, not hidden
+
+
+def test_a_sigkilled_harness_leaves_no_server_running_and_resume_runs_the_block_again(tmp_path, daemon):
+    """The harness SIGKILLed during the second arm's block: nothing in it runs, and its watchdog (a process of
+    its own) stops the server it left; --resume then runs that block again from its first step on a fresh server.
+    The harness is stopped (SIGSTOP) right after the block's first request, so it is killed in the middle of the
+    block however fast the lab answers."""
+    small = {"max_model_len": 16384, "chunk": 2048, "budget_mb": "16"}
+    arms = [lab_arm("stock", "stock", **small), lab_arm("fixed", "fixed", **small)]
+    steps = [{"label": f"s{n}", "tokens": 2000 + 1000 * n, "seed": n} for n in range(1, 4)]
+    ladder = {"model": "lab", "request": {"max_tokens": 4, "check_answer": False}, "arms": arms,
+              "nodes": {"local": daemon}, "steps": steps}
+    path, run_dir, log = tmp_path / "ladder.yaml", tmp_path / "run", tmp_path / "harness.log"
+    path.write_text(yaml.safe_dump(ladder, sort_keys=False))
+    proc = harness(["run", str(path), "--out", str(run_dir)], log)
+    try:
+        wait_for(lambda: events(run_dir, "request", arm="fixed"), 120, "fixed's first request", proc, log)
+        os.kill(proc.pid, signal.SIGSTOP)
+        fixed = events(run_dir, "serve_start", arm="fixed")[-1]
+        assert group_members(fixed["pgid"]), "the server must still run for the case to be tested"
+        proc.kill()
+        proc.wait(timeout=30)
+        wait_for(lambda: not group_members(fixed["pgid"]), 60, "the watchdog to stop the orphaned server")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not events(run_dir, "run_end")   # the killed harness wrote nothing more
+    done = [r["step"] for r in events(run_dir, "request", arm="fixed")]
+    assert done and len(done) < len(steps)
+
+    result = run_ab(["run", str(path), "--out", str(run_dir), "--resume"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    recs = records(run_dir)
+    superseded = [(r["arm"], r["steps"]) for r in recs if r["event"] == "block_superseded"]
+    assert superseded == [("fixed", done)]
+    cut = next(i for i, r in enumerate(recs) if r["event"] == "block_superseded")
+    requests = [(r["arm"], r["step"], r["ok"]) for r in recs[cut:] if r["event"] == "request"]
+    assert requests == [("fixed", s["label"], True) for s in steps]   # the whole block again; stock's kept
+    assert [s["arm"] for s in events(run_dir, "serve_start")] == ["stock", "fixed", "fixed"]
+    assert all(not group_members(s["pgid"]) for s in events(run_dir, "serve_start"))
+    assert [e["status"] for e in events(run_dir, "run_end")] == ["complete"]
+    assert "fixed repeat 0: resumed: the block had not finished" in (run_dir / "report.md").read_text()

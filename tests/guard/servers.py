@@ -20,7 +20,7 @@ from typing import Any
 from telemetry.guard.limit import LimitTracker, scrape_forever
 from telemetry.guard.metrics import GuardMetrics, guard_registry
 from telemetry.guard.proxy import GuardLimits, GuardProxy
-from telemetry.scrape import parse_base_url, parse_url
+from telemetry.url import parse_base_url, parse_url
 
 
 class _Server(ThreadingHTTPServer):

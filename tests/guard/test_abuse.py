@@ -14,7 +14,7 @@ import pytest
 
 from telemetry.guard.limit import LimitTracker, RankFit, parse_hook
 from telemetry.guard.proxy import GuardLimits
-from telemetry.scrape import parse_url
+from telemetry.url import parse_url
 from tests.guard.servers import RunningGuard, StubHook, exposition, request
 
 LIMIT = 1000

@@ -23,7 +23,7 @@ from telemetry.guard.limit import Limit, LimitTracker, RankFit
 from telemetry.guard.proxy import GuardLimits
 from telemetry.guard.queue import GuardQueue, _Waiter
 from telemetry.guard.refusal import refusal_for
-from telemetry.scrape import parse_url
+from telemetry.url import parse_url
 from tests.guard.servers import RunningGuard, StubHook, exposition, request
 
 REJECTED = "memtel_guard_rejected_total"

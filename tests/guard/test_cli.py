@@ -17,7 +17,8 @@ from telemetry.cli import main
     (["--upstream", "http://h:1", "--listen", "127.0.0.1:0", "--hooks", "http://a:1,,http://b:2"], "--hooks"),
     (["--upstream", "http://h:1", "--listen", "127.0.0.1:0", "--hooks", "http://a:1,http://a:1"], "twice"),
     (["--upstream", "http://h:1", "--listen", "127.0.0.1:0", "--hooks", "http://a:1", "--stale-s", "0"], "--stale-s"),
-    (["--upstream", "http://h:1", "--listen", "127.0.0.1:0", "--hooks", "http://a:1", "--reserve-mb", "nan"],
+    # On an address of no interface: were the flag taken, the command would fail at once instead of serving.
+    (["--upstream", "http://h:1", "--listen", "192.0.2.1:9", "--hooks", "http://a:1", "--reserve-mb", "nan"],
      "--reserve-mb"),
     (["--upstream", "http://h:1", "--listen", "127.0.0.1:0", "--hooks", "http://a:1", "--when-blind", "maybe"],
      "--when-blind"),

@@ -9,7 +9,7 @@ import pytest
 from telemetry.errors import ConfigError
 from telemetry.guard.limit import LimitTracker, RankFit, parse_fits
 from telemetry.guard.replicas import hook_targets
-from telemetry.scrape import parse_url
+from telemetry.url import parse_url
 from tests.guard.servers import exposition
 
 

@@ -13,7 +13,7 @@ from telemetry.guard.admission import admit
 from telemetry.guard.limit import Limit, LimitTracker, RankFit
 from telemetry.guard.prompt import SPECIAL_TOKENS_PER_PROMPT, measure
 from telemetry.guard.refusal import ContextLength, Refusal, forecast_words, parse_models, refusal_for
-from telemetry.scrape import parse_url
+from telemetry.url import parse_url
 
 GIB = 1 << 30
 

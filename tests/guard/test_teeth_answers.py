@@ -19,7 +19,7 @@ from telemetry.guard.proxy import GuardProxy
 from telemetry.guard.queue import transient
 from telemetry.guard.refusal import Refusal, behind, error_body, uncountable
 from telemetry.guard.replicas import engines, hook_targets, replica_flag, replicas_file
-from telemetry.scrape import parse_base_url, parse_url
+from telemetry.url import parse_base_url, parse_url
 
 LONG = "http://" + "h" * 100   # a URL past the 80 characters an error line quotes
 

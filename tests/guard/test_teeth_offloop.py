@@ -12,7 +12,7 @@ import threading
 
 from telemetry.guard import limit
 from telemetry.guard.limit import LimitTracker, scrape_forever
-from telemetry.scrape import parse_url
+from telemetry.url import parse_url
 from tests.guard.servers import StubHook, exposition
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from telemetry.scrape import DAEMON_PORT, DEFAULT_PORTS, HOOK_PORT, LAB_PORT, hook_ports, parse_url
+from telemetry.scrape import DAEMON_PORT, DEFAULT_PORTS, HOOK_PORT, LAB_PORT, hook_ports
+from telemetry.url import parse_url
 
 
 def test_the_servers_take_their_defaults_from_the_table() -> None:

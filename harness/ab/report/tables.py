@@ -60,10 +60,11 @@ def _arm_how(metrics: RunMetrics, name: str) -> str:
     """The arm's command and environment as the harness ran them (templates expanded), from its serve records."""
     run = metrics.run
     arm = next(a for a in run.ladder.arms if a.name == name)
-    from harness.ab.redact import redact_argv, redact_env, redact_url_credentials
+    from harness.ab.redact import redact_argv, redact_env
+    from telemetry.url import redact_credentials
 
     if arm.serve is None:
-        return f"external server {redact_url_credentials(arm.url)}"
+        return f"external server {redact_credentials(arm.url)}"
     serves = [s for r in range(run.repeats) for s in run.serves.get((name, r), ())]
     first = serves[0] if serves else None
     env = first.env if first is not None else arm.serve.env
