@@ -132,9 +132,11 @@ class MemtelPreCall(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no typ
                         blind=lambda: (0, "blind"), rejected=lambda reason: None,
                         at_best=functools.partial(group_at_best, rooms, len(deployments)))
                 except Refusal as refusal:
-                    if refusal.retry_after is not None and time.monotonic() + settings.poll_s / 4 < deadline:
+                    left = deadline - time.monotonic()
+                    if refusal.retry_after is not None and left > 0:   # held the whole hold_s, decided again at its end
                         gone = gone or asyncio.ensure_future(client.left())
-                        await asyncio.wait((gone,), timeout=settings.poll_s / 4)  # the gauge moves once a scrape
+                        # the gauge moves once a scrape
+                        await asyncio.wait((gone,), timeout=min(settings.poll_s / 4, left))
                         if gone.done():
                             raise self._client_left(data, started) from None
                         continue

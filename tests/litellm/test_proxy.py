@@ -314,7 +314,7 @@ def test_a_prompt_that_does_not_fit_now_is_held_then_a_503_the_client_retries_af
     assert error.status_code == 503
     assert len(sent) == 2 and len(answers) == 2
     for (answered, headers), asked in zip(answers, sent, strict=True):
-        assert answered - asked >= HOLD_S * 0.9  # each attempt was held
+        assert answered - asked >= HOLD_S  # each attempt was held its whole hold
         assert headers["x-should-retry"] == "true"
     assert waits == [float(answers[0][1]["retry-after"])] and waits[0] > 0  # the wait the client chose
     fields = error.body["provider_specific_fields"]
