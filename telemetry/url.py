@@ -170,8 +170,10 @@ def _parse(text: str, default_port: int | None, default_path: str, what: str) ->
     except ValueError:   # a port that is no number from 0 to 65535, brackets that do not close
         raise _Refused("has no valid host and port") from None
     host = parts.hostname or ""
-    if parts.scheme not in _SCHEME_PORTS or not host or not is_host(host):
+    if parts.scheme not in _SCHEME_PORTS:
         raise _Refused(f"is not {what}")
+    if not host or not is_host(host):
+        raise _Refused("has no valid host (a host name or an IP address)")
     if port == 0:
         raise _Refused("has port 0", "expected a port from 1 to 65535")
     if port is None:

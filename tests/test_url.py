@@ -58,6 +58,7 @@ def test_a_config_files_url_names_its_scheme_and_keeps_its_path() -> None:
                                         "which has no scheme"),
                        ("ftp://vm:1", "which is not an http(s) URL"),
                        ("http://[::1:80", "which has no valid host and port"),
+                       ("http://bad_host:1/x", "which has no valid host (a host name or an IP address)"),
                        ("http://u:Pw-1@vm:0", "got 'http://***@vm:0', which has port 0; expected a port from 1 to")):
         with pytest.raises(ConfigError, match=r"^nodes\.a: ") as caught:
             parse_http_url(text, "nodes.a")
@@ -77,8 +78,8 @@ def test_credentials_are_redacted_wherever_text_quotes_a_url() -> None:
     ("node1:99999", "has no valid host and port"),
     ("node1:http", "has no valid host and port"),
     ("node1:0", "has port 0; expected a port from 1 to 65535"),
-    ("http://", "is not a metrics URL"),
-    ("bad host:80", "is not a metrics URL"),
+    ("http://", "has no valid host (a host name or an IP address)"),
+    ("bad host:80", "has no valid host (a host name or an IP address)"),
     ("node1", "has no port"),
     ("[::1", "has no valid host and port"),
     ("http://[zz::1]:80", "has no valid host and port"),

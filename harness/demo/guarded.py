@@ -178,17 +178,24 @@ def start_guard(port: int, upstream_port: int, hooks: list[str], metrics_port: i
     return wait_guard(launch_guard(port, upstream_port, hooks, metrics_port, log_path, *extra), metrics_port)
 
 
-MAX_GUARD_METRICS_BYTES = 1 << 20  # the guard's own /metrics is a few kB
+MAX_GUARD_METRICS_BYTES = 1 << 20  # a guard's or a lab node's /metrics is a few kB
+
+
+def scrape(port: int, *entries: Any, timeout_s: float = 5.0) -> Exposition:
+    """`entries` of the /metrics on 127.0.0.1:`port` (a guard's, a lab node's); RunError if it cannot be read."""
+    try:
+        return read_metrics(Endpoint("http", "127.0.0.1", port, METRICS_PATH), time.monotonic() + timeout_s,
+                            MAX_GUARD_METRICS_BYTES, only=entries)
+    except FetchError as exc:
+        raise RunError(f"scraping 127.0.0.1:{port}: {exc}") from None
 
 
 def guard_limit(metrics_port: int) -> int | None:
     """The guard's limit (GUARD_LIMIT_TOKENS) now, or None (blind, or no answer)."""
     try:
-        exposition = read_metrics(Endpoint("http", "127.0.0.1", metrics_port, METRICS_PATH), time.monotonic() + 2,
-                                  MAX_GUARD_METRICS_BYTES, only=[GUARD_LIMIT_TOKENS])
-    except FetchError:
+        limit = scrape(metrics_port, GUARD_LIMIT_TOKENS, timeout_s=2).first(GUARD_LIMIT_TOKENS)
+    except RunError:
         return None
-    limit = exposition.first(GUARD_LIMIT_TOKENS)
     return None if limit is None else int(limit)
 
 
@@ -213,7 +220,7 @@ def out_of_memory_lines(log_path: Path) -> list[str]:
     return [line for line in lines if "NV_ERR_NO_MEMORY" in line or "engine dead" in line][:3]
 
 
-def run_phase(name: str, base_url: str, node: Process, node_log: Path, node_url: str) -> Phase:
+def run_phase(name: str, base_url: str, node: Process, node_url: str) -> Phase:
     phase = Phase(name)
     for seed, (label, tokens) in enumerate(PROMPTS, start=1):
         if label.startswith("next"):
@@ -223,9 +230,14 @@ def run_phase(name: str, base_url: str, node: Process, node_log: Path, node_url:
         phase.outcomes.append(outcome)
         print(f"  {name}: {label:>8} ({tokens:>9,} tokens): {outcome.answer()} in {seconds_text(outcome.seconds)}",
               flush=True)
+    return node_after(phase, node, node_url)
+
+
+def node_after(phase: Phase, node: Process, node_url: str) -> Phase:
+    """`phase` with what its node looked like after its requests: /health, alive, its out-of-memory lines."""
     phase.node_health_after = health_status(node_url)
     phase.node_alive_after = node.alive()
-    phase.node_log_lines = out_of_memory_lines(node_log)
+    phase.node_log_lines = out_of_memory_lines(node.log_path)
     return phase
 
 
@@ -261,14 +273,6 @@ def tenant_holds(node_url: str, gib: float) -> int:
     return int(post_json(node_url, "/lab/tenant", {"gib": gib})["tenant_bytes"])
 
 
-def scrape(port: int, *entries: Any) -> Exposition:
-    try:
-        return read_metrics(Endpoint("http", "127.0.0.1", port, METRICS_PATH), time.monotonic() + 5,
-                            MAX_GUARD_METRICS_BYTES, only=entries)
-    except FetchError as exc:
-        raise RunError(f"scraping 127.0.0.1:{port}: {exc}") from None
-
-
 def poll(condition: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -293,7 +297,7 @@ def send_burst(url: str, tokens: int, seed: int) -> tuple[list[threading.Thread]
 
 
 def end_burst(phase: Phase, threads: list[threading.Thread], outcomes: list[Outcome], node: Process,
-              node_log: Path, node_url: str, timeout_s: float = 300.0) -> Phase:
+              node_url: str, timeout_s: float = 300.0) -> Phase:
     deadline = time.monotonic() + timeout_s
     for thread in threads:
         thread.join(max(deadline - time.monotonic(), 0))
@@ -301,22 +305,18 @@ def end_burst(phase: Phase, threads: list[threading.Thread], outcomes: list[Outc
     for outcome in outcomes:
         print(f"  {phase.name}: {outcome.label} ({outcome.tokens:,} tokens): {outcome.answer()} in "
               f"{seconds_text(outcome.seconds)}", flush=True)
-    phase.node_health_after = health_status(node_url)
-    phase.node_alive_after = node.alive()
-    phase.node_log_lines = out_of_memory_lines(node_log)
-    return phase
+    return node_after(phase, node, node_url)
 
 
 def run_burst_unguarded(node: Process, node_url: str, tokens: int, capacity_gb: float) -> Phase:
     """Phase 3: the tenant takes its part of a fresh node, the burst goes straight to the node."""
-    phase = Phase("burst unguarded", burst=Burst(tokens, BURST_FRACTION))
-    burst = phase.burst
-    assert burst is not None
+    burst = Burst(tokens, BURST_FRACTION)
+    phase = Phase("burst unguarded", burst=burst)
     burst.tenant_bytes = tenant_holds(node_url, TENANT_FRACTION * capacity_gb)
     print(f"  {phase.name}: another tenant holds {burst.tenant_bytes / GIB:.2f} of the node's {capacity_gb:g} GiB; "
           f"{BURST_PROMPTS} prompts of {tokens:,} tokens at once, straight to the node", flush=True)
     threads, outcomes = send_burst(node_url, tokens, seed=20)
-    return end_burst(phase, threads, outcomes, node, node.log_path, node_url)
+    return end_burst(phase, threads, outcomes, node, node_url)
 
 
 def run_burst_guarded(node: Process, node_port: int, guard_port: int, metrics_port: int, tokens: int,
@@ -324,9 +324,8 @@ def run_burst_guarded(node: Process, node_port: int, guard_port: int, metrics_po
     """Phase 4: the tenant takes its part of a fresh node; the burst goes through the queueing guard, which
     forwards none while the tenant holds its memory; then the tenant gives it back and they are admitted."""
     node_url = f"http://127.0.0.1:{node_port}"
-    phase = Phase("burst guarded", burst=Burst(tokens, BURST_FRACTION, QUEUE_S))
-    burst = phase.burst
-    assert burst is not None
+    burst = Burst(tokens, BURST_FRACTION, QUEUE_S)
+    phase = Phase("burst guarded", burst=burst)
     taken = time.monotonic()
     burst.tenant_bytes = tenant_holds(node_url, TENANT_FRACTION * capacity_gb)
     poll(lambda: (guard_limit(metrics_port) or tokens) < tokens, 60, "the guard's limit to fall below the burst's "
@@ -357,7 +356,7 @@ def run_burst_guarded(node: Process, node_port: int, guard_port: int, metrics_po
     after = scrape(metrics_port, GUARD_QUEUE_OUTCOMES, GUARD_REJECTED)
     burst.queue_admitted = int(after.total(GUARD_QUEUE_OUTCOMES, outcome="admitted") or 0)
     burst.guard_rejected = int(after.total(GUARD_REJECTED) or 0)
-    return end_burst(phase, threads, outcomes, node, node.log_path, node_url)
+    return end_burst(phase, threads, outcomes, node, node_url)
 
 
 def run_guarded_demo(out: Path, capacity_gb: float = DEFAULT_CAPACITY_GB) -> list[Phase]:
@@ -383,7 +382,7 @@ def run_guarded_demo(out: Path, capacity_gb: float = DEFAULT_CAPACITY_GB) -> lis
         node_url = f"http://127.0.0.1:{node_port}"
         node = start_node(node_port, hook_port, capacity_gb, logs / "node-unguarded.log")
         processes.append(node)
-        phases.append(run_phase("unguarded", node_url, node, node.log_path, node_url))
+        phases.append(run_phase("unguarded", node_url, node, node_url))
         node.stop()
 
         node = start_node(node_port, hook_port, capacity_gb, logs / "node-guarded.log")
@@ -392,7 +391,7 @@ def run_guarded_demo(out: Path, capacity_gb: float = DEFAULT_CAPACITY_GB) -> lis
                             logs / "guard.log")
         processes.append(guard)
         limit = wait_for_limit(metrics_port, guard)
-        phase = run_phase("guarded", f"http://127.0.0.1:{guard_port}", node, node.log_path, node_url)
+        phase = run_phase("guarded", f"http://127.0.0.1:{guard_port}", node, node_url)
         phase.limit_tokens = limit
         phases.append(phase)
         guard.stop()

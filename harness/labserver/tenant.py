@@ -108,6 +108,7 @@ class Tenant:
     def _later(self, delay: float | None, nbytes: int, seconds: float | None) -> None:
         """Cancel what was scheduled; with a delay, hold `nbytes` for `seconds` then (lock held)."""
         self._generation += 1
+        self._until = None   # a leave that was scheduled is no longer
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

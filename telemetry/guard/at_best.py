@@ -137,12 +137,21 @@ def replica_at_best(tracker: LimitTracker) -> tuple[AtBest | None, str | None]:
     return min(found, key=lambda a: a.tokens), None
 
 
+def best_replica(replicas: Sequence[AtBest | None]) -> AtBest | None:
+    """The deployment's at-best from its replicas': the best one's, None unless every one's is known."""
+    if not replicas or any(best is None for best in replicas):
+        return None
+    return max((best for best in replicas if best is not None), key=lambda a: a.tokens)
+
+
 def deployment_at_best(trackers: Sequence[LimitTracker]) -> tuple[AtBest | None, str | None]:
     """(the deployment's at-best: the best replica's, None unless every replica's is known; why it is not)."""
     found = [replica_at_best(tracker) for tracker in trackers]
-    if found and all(best is not None for best, _why in found):
-        return max((best for best, _why in found if best is not None), key=lambda a: a.tokens), None
+    best = best_replica([best for best, _why in found])
+    if best is not None:
+        return best, None
     return None, "; ".join(why for _best, why in found if why) or "no replica"
 
 
-__all__ = ["AT_BEST_WINDOW_S", "CLEAN_SLACK_S", "AtBest", "AtBestBook", "deployment_at_best", "replica_at_best"]
+__all__ = ["AT_BEST_WINDOW_S", "CLEAN_SLACK_S", "AtBest", "AtBestBook", "best_replica", "deployment_at_best",
+           "replica_at_best"]

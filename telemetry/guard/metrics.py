@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from telemetry.catalogue import described
 from telemetry.catalogue import metrics as catalogue
 from telemetry.catalogue.family import Family, HistogramFamily
+from telemetry.guard.at_best import best_replica
 from telemetry.guard.limit import LimitTracker
 
 # The guard adds well under a millisecond when it forwards by the byte bound, and an upstream /tokenize
@@ -107,9 +108,8 @@ class GuardCollector(Collector):
         else:
             yield from self._limit()
         trackers = [r.tracker for r in self.replicas] or [self.tracker]
-        known = [t.published_at_best for t in trackers]
-        if all(known):   # the deployment's: the best replica's, where every replica's is known (at_best.py)
-            best = max((a for a in known if a is not None), key=lambda a: a.tokens)
+        best = best_replica([t.published_at_best for t in trackers])  # the deployment's (at_best.py)
+        if best is not None:
             at_best = catalogue.GUARD_LIMIT_TOKENS_AT_BEST.new()
             at_best.add_metric([best.node, best.rank], best.tokens)
             yield at_best

@@ -160,11 +160,7 @@ _Refusal = Refusal  # status, OpenAI error body, Retry-After and x-should-retry 
 
 
 class _Unreachable(Exception):
-    """The chosen replica refused the connection: nothing was sent to it, so another may take the request."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    """The chosen replica refused the connection (str: why): nothing was sent to it, so another may take it."""
 
 
 class GuardProxy:
@@ -366,7 +362,7 @@ class GuardProxy:
                                     unreachable_raises=len(self.replicas) > 1)
                 return
             except _Unreachable as down:
-                self._leave_pool(replica, down.reason)
+                self._leave_pool(replica, str(down))
             finally:
                 release()
         none_left = self._no_replica()  # every replica was tried and refused the connection
@@ -387,7 +383,8 @@ class GuardProxy:
         return replica, held, counted_by
 
     def _leave_pool(self, replica: Replica, reason: str) -> None:
-        """A replica that refused a connection leaves the pool now; its /health poll brings it back."""
+        """A replica that refused a connection or failed its /health poll leaves the pool now; a /health poll
+        answered 200 brings it back."""
         if replica.healthy:
             log.warning("memtel guard: replica %s leaves the pool: %s", replica.name, reason)
         replica.healthy, replica.health_error = False, reason
@@ -479,12 +476,13 @@ class GuardProxy:
                 error: str | None = f"/health: {type(exc).__name__}: {exc}"[:200]
             else:
                 error = None
-            if (error is None) != replica.healthy:
-                log.warning("memtel guard: replica %s %s", replica.name,
-                            "is healthy again: back in the pool" if error is None else f"leaves the pool: {error}")
-            replica.healthy, replica.health_error = error is None, error
-            if error is None:
-                self.queue.kick()
+            if error is not None:
+                self._leave_pool(replica, error)
+                return
+            if not replica.healthy:
+                log.warning("memtel guard: replica %s is healthy again: back in the pool", replica.name)
+            replica.healthy, replica.health_error = True, None
+            self.queue.kick()
 
         while True:
             started = time.monotonic()

@@ -166,17 +166,17 @@ def refusal_for(tokens: int, counted_by: str, limit: Limit, max_model_len: int |
     fit = limit.fit
     at_least = {"words": "at least ", "byte_bound": "at most "}.get(counted_by, "")
     counted = f"{at_least}{tokens:,} tokens (counted by {counted_by})"
-    by_memory = at_best is not None and (max_model_len is None or at_best.tokens < max_model_len)
-    best_tokens = at_best.tokens if by_memory and at_best is not None else max_model_len
+    # the at-best limit by memory, where it is below max-model-len (else max-model-len is the one at best)
+    memory = at_best if at_best is not None and (max_model_len is None or at_best.tokens < max_model_len) else None
     common: dict[str, Any] = {
         "prompt_tokens": tokens, "prompt_tokens_counted_by": counted_by, "limit_tokens": limit.tokens,
-        "limit_tokens_at_best": best_tokens,
-        "limit_at_best_from": "memory" if by_memory else "max_model_len" if max_model_len else None,
+        "limit_tokens_at_best": max_model_len if memory is None else memory.tokens,
+        "limit_at_best_from": "memory" if memory is not None else "max_model_len" if max_model_len else None,
         "max_prefill_tokens": limit.rank_tokens, "in_prefill_tokens": limit.in_prefill_tokens,
         "node": fit.node, "rank": fit.rank, "hook": limit.hook,
     }
-    if by_memory and at_best is not None:
-        common.update(at_best_node=at_best.node, at_best_rank=at_best.rank, at_best_hook=at_best.hook)
+    if memory is not None:
+        common.update(at_best_node=memory.node, at_best_rank=memory.rank, at_best_hook=memory.hook)
     if max_model_len is not None and tokens >= max_model_len and counted_by != "byte_bound":
         message = (f"memtel guard: This model's maximum context length is {max_model_len:,} tokens. However, your "
                    f"prompt contains {counted}, which "
@@ -200,8 +200,8 @@ def refusal_for(tokens: int, counted_by: str, limit: Limit, max_model_len: int |
            if reason == "would_not_fit" else
            f"it fits rank {fit.rank} on node {fit.node} ({limit.rank_tokens:,} tokens) alone, but not beside the "
            f"{limit.in_prefill_tokens:,} tokens of admitted requests still in their prefill")
-    if by_memory and at_best is not None:
-        best = (f"at best {at_best.tokens:,} tokens (what rank {at_best.rank} on node {at_best.node} could take with "
+    if memory is not None:
+        best = (f"at best {memory.tokens:,} tokens (what rank {memory.rank} on node {memory.node} could take with "
                 "an empty cache)")
     else:
         unknown = f"the at-best memory limit is unknown: {at_best_unknown or 'not read'}" if at_best is None else \

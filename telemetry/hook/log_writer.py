@@ -170,6 +170,7 @@ class CallLogWriter:
     def flush(self) -> None:
         """Write every waiting record now (writer thread, exit, SIGTERM, `handle.flush()`). Never raises
         itself; a signal's action held by `flush_then` runs at its end, and may raise as it would have."""
+        after: Callable[[], Any] | None = None
         try:
             with self._io_lock:
                 self._flushing = threading.get_ident()
@@ -179,10 +180,11 @@ class CallLogWriter:
                         self._write(lines)
                 finally:
                     self._flushing = None
+                    # taken under the lock: only the thread it was held for (the one flushing) runs it
+                    after, self._after_flush = self._after_flush, None
         except Exception as error:  # a bug or an odd file system: never into the host
             self.state.count_error("", "log_write")
             self._warn(f"writing failed unexpectedly ({error!r})", 0)
-        after, self._after_flush = self._after_flush, None
         if after is not None:
             after()
 

@@ -16,26 +16,13 @@ import os
 import time
 from typing import Any
 
-from tests.hook.fit_process import SHAPE, wait_for_fit
-
-MIB = 1 << 20
+from tests.hook.fit_process import MIB, attempt, start_forecast, wait_for_fit
 
 
 def main() -> int:
     import torch
 
-    import telemetry
-    from telemetry.hook.forecast import set_forecast_workload
-    from telemetry.model.indexer.backends import CudaBackend
-    from telemetry.model.indexer.prefill import run_prefill
-    from telemetry.model.indexer.shape import IndexerShape
-
-    shape = IndexerShape(**SHAPE)
-    set_forecast_workload(shape)
-    handle = telemetry.install(["telemetry.model.indexer.launch:indexer_logits_launch"], port=None,
-                               forecast_tokens=(32768,), forecast_interval_s=1.0)
-    backend = CudaBackend(0)
-    run_prefill(backend, shape, "stock", 40_000)
+    shape, handle, backend = start_forecast()
     kept = [backend.alloc(n) for n in (37 * MIB, 700 * 1024, 12 * MIB + 4096)]
     for size in (48 * MIB, 96 * MIB, 160 * MIB):   # growing allocations, freed: their segments stay cached
         backend.release(backend.alloc(size))
@@ -51,19 +38,9 @@ def main() -> int:
     torch.cuda.empty_cache()
     out["reserved_after_empty_cache"] = int(torch.cuda.memory_reserved(0))
 
-    def attempt(tokens: int) -> dict[str, Any]:
-        torch.cuda.reset_peak_memory_stats(0)
-        try:
-            run_prefill(backend, shape, "stock", tokens)
-            torch.cuda.synchronize()
-            oom = False
-        except torch.OutOfMemoryError:
-            oom = True
-        return {"tokens": tokens, "out_of_memory": oom, "peak_reserved": int(torch.cuda.max_memory_reserved(0))}
-
-    out["at_best_prefill"] = attempt(results.at_best.tokens)
+    out["at_best_prefill"] = attempt(backend, shape, results.at_best.tokens)
     torch.cuda.empty_cache()
-    out["chunk_more"] = attempt(min(results.at_best.tokens + shape.chunk, shape.max_model_len))
+    out["chunk_more"] = attempt(backend, shape, min(results.at_best.tokens + shape.chunk, shape.max_model_len))
     del kept
     print(json.dumps(out))
     return 0

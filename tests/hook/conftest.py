@@ -1,4 +1,4 @@
-"""Fixtures for the hook tests: throw-away modules to hook, and no hook left behind by a test."""
+"""Fixtures for the hook tests: throw-away modules to hook, and no hook (nor forecast setting) left behind by a test."""
 
 from __future__ import annotations
 
@@ -11,15 +11,20 @@ from pathlib import Path
 import pytest
 
 from telemetry.hook import active_handle, set_allocator_source
+from telemetry.hook.forecast import set_forecast_workload
+from telemetry.hook.forecast.budget import set_forecast_budget
 
 
 @pytest.fixture(autouse=True)
 def _no_hook_left_behind() -> Iterator[None]:
+    """No hook, allocator source, program workload or program budget outlives its test."""
     yield
     handle = active_handle()
     if handle is not None:
         handle.uninstall()
     set_allocator_source(None)
+    set_forecast_workload(None)
+    set_forecast_budget(None)
 
 
 @pytest.fixture

@@ -24,19 +24,25 @@ ROOT = Path(__file__).resolve().parents[2]
 CAP_BYTES = int(1.1 * (1 << 30))
 
 
-@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"])
-def test_the_gauge_fits_and_a_chunk_more_runs_out_of_memory(alloc_conf):
+def run_capped(module: str, alloc_conf: str, cap_bytes: int) -> dict:
+    """`python -m module` on device 0 under `per_process_memory_fraction` of `cap_bytes` (beside `alloc_conf`):
+    the JSON object its last line prints (skipped without a CUDA device)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     total = torch.cuda.mem_get_info(0)[1]
-    conf = ",".join(p for p in (alloc_conf, f"per_process_memory_fraction:{round(CAP_BYTES / total, 6)}") if p)
-    done = subprocess.run([sys.executable, "-m", "tests.hook.fit_process"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf,
-                                                      "PYTHONPATH": str(ROOT)})
+    conf = ",".join(p for p in (alloc_conf, f"per_process_memory_fraction:{round(cap_bytes / total, 6)}") if p)
+    done = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out: dict = json.loads(done.stdout.strip().splitlines()[-1])
     print(json.dumps(out))
+    return out
+
+
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"])
+def test_the_gauge_fits_and_a_chunk_more_runs_out_of_memory(alloc_conf):
+    out = run_capped("tests.hook.fit_process", alloc_conf, CAP_BYTES)
     first, second = out["first"], out["second"]
     assert 8192 < first["gauge"] < 204_800, first   # the cap cuts the range: the check means something
     assert not first["forecast"]["out_of_memory"] and not first["out_of_memory"], first
@@ -80,20 +86,9 @@ def test_the_at_best_gauge_fits_once_the_cache_is_emptied(alloc_conf):
     """memtel_forecast_max_prefill_tokens_at_best (tests/hook/at_best_process.py): after growing allocations are
     freed (cached), at-best is at least the limit now, and a prefill of exactly at-best runs without running out of
     memory after torch.cuda.empty_cache(), under the same cap."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    total = torch.cuda.mem_get_info(0)[1]
     # Expandable segments map only what is used: the whole 204,800 tokens peak at 1,155,530,752 bytes reserved
     # under this workload on the H200 (2026-12-03), within 1.1 GiB, so a 1.0 GiB cap is what cuts the range there.
-    cap = (1 << 30) if alloc_conf else CAP_BYTES
-    conf = ",".join(p for p in (alloc_conf, f"per_process_memory_fraction:{round(cap / total, 6)}") if p)
-    done = subprocess.run([sys.executable, "-m", "tests.hook.at_best_process"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf,
-                                                      "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    print(json.dumps(out))
+    out = run_capped("tests.hook.at_best_process", alloc_conf, (1 << 30) if alloc_conf else CAP_BYTES)
     assert out["held_free_bytes"] > 0, out                    # the allocator held a cache to release
     assert 8192 < out["at_best"] < 204_800, out               # the cap cuts the range: the check means something
     assert out["at_best"] >= out["gauge"], out

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import marshal
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from telemetry.catalogue.metrics import FORECAST_MAX_PREFILL_TOKENS, FORECAST_MAX_PREFILL_TOKENS_AT_BEST
@@ -30,14 +29,6 @@ from telemetry.model.indexer.shape import MIB, IndexerShape
 
 SHAPE = IndexerShape(layers=4, chunk=1024, compress_ratio=4, max_model_len=65536, logits_budget_bytes=64 * MIB)
 SHARED = {"LOCAL_WORLD_SIZE": "2"}   # two ranks share the node: the search may not count on freeing the cache
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    yield
-    set_forecast_workload(None)
-    set_forecast_budget(None)
-    set_allocator_source(None)
 
 
 def rank(cached_small: int) -> SimBackend:

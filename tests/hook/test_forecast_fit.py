@@ -49,14 +49,6 @@ SHAPE = IndexerShape(layers=4, chunk=1024, compress_ratio=4, max_model_len=65536
 GIB = 1 << 30
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    yield
-    set_forecast_workload(None)
-    set_forecast_budget(None)
-    set_allocator_source(None)
-
-
 def sim_rank(warm_tokens: int = 3000) -> SimBackend:
     """A simulated rank that served one prefill and holds one live tensor, behind the hook's allocator source."""
     backend = SimBackend("")

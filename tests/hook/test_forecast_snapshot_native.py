@@ -65,14 +65,6 @@ def messy_segments() -> list[dict]:
     ]
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    yield
-    set_forecast_workload(None)
-    set_forecast_budget(None)
-    set_allocator_source(None)
-
-
 # ---- the format ----------------------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from harness.ab.report.markdown import Section, Table
 from harness.ab.report.metrics import RankRequestMetrics, RequestMetrics, RunMetrics, Spread
 from telemetry.catalogue import vllm
 from telemetry.catalogue.fields import NODE_SNAPSHOT_SERIES
+from telemetry.url import redact_credentials
 
 MIB = 1024 * 1024
 
@@ -61,7 +62,6 @@ def _arm_how(metrics: RunMetrics, name: str) -> str:
     run = metrics.run
     arm = next(a for a in run.ladder.arms if a.name == name)
     from harness.ab.redact import redact_argv, redact_env
-    from telemetry.url import redact_credentials
 
     if arm.serve is None:
         return f"external server {redact_credentials(arm.url)}"

@@ -62,11 +62,11 @@ def run_cycle(segments: Any, device: int | None, workload: ForecastWorkload, con
                                    alloc_conf=with_fraction(conf, base.fraction),
                                    pattern=workload.pattern, total_memory=budget.total_memory, pause=pause,
                                    release_cache_on_oom=not budget.shared)
-        max_fit = search(state)
-        emptied = released_cache(state)
-        at_best = max_fit
-        if emptied is not state and max_fit.first_misfit is not None:
-            at_best = max(search(emptied), max_fit, key=lambda fit: fit.tokens)
+        max_fit = at_best = search(state)
+        if max_fit.first_misfit is not None:   # below max-model-len: only then is releasing the cache looked at
+            emptied = released_cache(state)
+            if emptied is not state:
+                at_best = max(search(emptied), max_fit, key=lambda fit: fit.tokens)
     return CycleOutput(counters.allocated_bytes, counters.reserved_bytes, forecasts, budget, max_fit, at_best)
 
 
