@@ -32,6 +32,7 @@ FALLING_WITHIN_S = 5.0   # issue 11: "must fire within 5 s of the collapse"
 FLOOR_ALERTS_WITHIN_S = 8.1 + 15 + 3
 WATCHED = ("MemtelUnifiedHeadroomFalling", "MemtelUnifiedHeadroomLow")
 STEADY_SAMPLES_NEEDED = 8  # the falling rule's 8 s fit window, full of steady samples before the fall
+STEADY_WAIT_S = 30.0  # at most this long for a moment with the window full, before the fall starts
 STEADY_QUERY = f'count_over_time(memtel_node_unified_headroom_bytes{{node="{NODE}"}}[{STEADY_SAMPLES_NEEDED}s])'
 
 
@@ -104,8 +105,16 @@ class CollapseWatch:
         self._thread = threading.Thread(target=self._watch, name="collapse-watch", daemon=True)
 
     def start(self) -> None:
-        rows = httpx.get(f"{self.url}/api/v1/query", params={"query": STEADY_QUERY}, timeout=5.0).json()
-        self.steady_samples = max((float(r["value"][1]) for r in rows["data"]["result"]), default=0.0)
+        """Start the fall at a moment the fit window is full of steady samples (checked again here, the stack's
+        settle wait having been a few queries ago: a scrape a little late on a loaded machine leaves 7 of 8 in
+        the window for a second), waiting at most STEADY_WAIT_S for one."""
+        deadline = time.monotonic() + STEADY_WAIT_S
+        while True:
+            rows = httpx.get(f"{self.url}/api/v1/query", params={"query": STEADY_QUERY}, timeout=5.0).json()
+            self.steady_samples = max((float(r["value"][1]) for r in rows["data"]["result"]), default=0.0)
+            if self.steady_samples >= STEADY_SAMPLES_NEEDED or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
         self.started = self.source.collapse()
         self.started_unix = time.time()
         self._thread.start()
