@@ -1,7 +1,11 @@
 """`memtel tune`: the settings under which the longest prefill fits a memory, from a process's allocator state.
 
-    memtel tune --snapshot SNAP --target-tokens N (--memory-gb X | --node-headroom) [shape flags]
+    memtel tune --snapshot SNAP [--history HIST] --target-tokens N (--memory-gb X | --node-headroom) [shape flags]
                 [--engine vllm|sglang|lab | --preset NAME] [--json] [--plot FILE] [--verify [K]]
+
+With the process's allocation history (`--history`, a `--trace` recorded from the start) each setting starts
+from that history replayed under it (telemetry/model/tune/history.py); without it, a setting that changes the
+allocator's layout is a best case, printed "at most N" and never ranked above today's setting on it alone.
 
 The search is telemetry/model/tune (pure, on the simulator); this module reads the inputs (the snapshot or a
 recorded trace through `memtel forecast`'s loader and limits, the node's headroom, the engine), prints the
@@ -84,6 +88,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--hook", metavar="URL",
                         help="a live hook's exporter (HOST:PORT or http(s)://[USER:PASSWORD@]HOST:PORT): its rank's "
                              "allocator state now, from /snapshot")
+    parser.add_argument("--history", type=Path, default=None, metavar="HIST",
+                        help="the process's allocation history up to the snapshot: a torch memory history "
+                             "(torch.cuda.memory._dump_snapshot() pickle after _record_memory_history() from the "
+                             "start) or a JSON list of [\"a\", id, bytes] / [\"f\", id]; each setting is then "
+                             "searched from the history replayed under it (exact), not from the snapshot's blocks "
+                             "(a best case)")
+    parser.add_argument("--max-history-ops", type=bounded_int(1, 10**9), default=None, metavar="N",
+                        help="refuse a history of more ops than this (default 2,000,000)")
     parser.add_argument("--target-tokens", type=bounded_int(1, MAX_PREFILL_TOKENS), required=True, metavar="N",
                         help="the prefill length that matters: the peak and launches are shown at it")
     memory = parser.add_mutually_exclusive_group(required=True)
@@ -206,7 +218,8 @@ def format_result(result: Any, engine: Any, source: str, limit_text: str, utiliz
            f"{'rank':>4} {'longest fit':>12} {'peak @ target':>14} {'device allocs':>13} {'launches':>9}  setting"]
 
     def row(rank: str, o: Any) -> str:
-        fit = f"{o.fit.tokens:,}" if o.fit is not None else f"<= {o.fit_at_most:,}"
+        fit = (f"at most {o.fit.tokens:,}" if o.fit is not None and o.best_case
+               else f"{o.fit.tokens:,}" if o.fit is not None else f"<= {o.fit_at_most:,}")
         t = o.target
         peak = "-" if t is None else ("OOM" if t.out_of_memory else _mib(t.peak_reserved_bytes))
         allocs = "-" if t is None or t.out_of_memory else f"{t.num_device_alloc:,}"
@@ -223,12 +236,23 @@ def format_result(result: Any, engine: Any, source: str, limit_text: str, utiliz
                    "prefill room within the limit (assumes the state's reserved memory is what today's share covers; "
                    "check that the KV cache still holds the target's tokens)")
     out += [f"lines to paste ({engine.name}):", *(f"  {line}" for line in lines)]
+    if any(o.best_case for o in result.ranked):
+        out.append("best case: without the process's allocation history, a setting that changes the allocator's "
+                   "layout is searched from the snapshot's live blocks as they lie (\"at most N\": the history may "
+                   "leave free memory trapped in its segments) and is not ranked above today's on that alone; for "
+                   "the exact answer pass --history (a torch memory history recorded from the start, or the "
+                   "hook's /snapshot with its history)")
+    elif problem.history is not None:
+        out.append(f"history: {problem.history.source}, {len(problem.history.ops):,} ops replayed under each "
+                   "setting from the process's start")
     out += [f"left out: {note}" for note in result.left_out]
     out += [f"note: {note}" for note in state.notes]
     out.append("not searched: values outside the space's lists, max_non_split_rounding_mb, "
                "per_process_memory_fraction and the backend (kept as the process has them), private pools, CUDA "
-               "graphs, the model's own activations of a larger chunk, the KV cache per token; the state is kept as "
-               "the snapshot has it and the settings apply from then on")
+               "graphs, the model's own activations of a larger chunk, the KV cache per token; "
+               + ("the history's ops are replayed as recorded (a prefill in it keeps the chunk and budget it ran "
+                  "with; empty_cache() calls are not in it)" if problem.history is not None else
+                  "the state is kept as the snapshot has it and the settings apply from then on"))
     return "\n".join(out)
 
 
@@ -299,19 +323,43 @@ def run(args: argparse.Namespace) -> int:
         path = args.snapshot or args.trace
         state = load_allocator_state(path, device=args.device, max_bytes=max_bytes, max_objects=args.max_objects,
                                      max_blocks=args.max_blocks)
-        return _run(args, engine, shape, space, path, str(path), state, max_bytes)
+        history = _history(args, path, state, max_bytes)
+        return _run(args, engine, shape, space, path, str(path), state, max_bytes, history)
     from telemetry.tune.hook_snapshot import fetch_snapshot
 
     state, path = fetch_snapshot(args.hook, device=args.device, max_bytes=max_bytes, max_objects=args.max_objects,
                                  max_blocks=args.max_blocks)
     try:
-        return _run(args, engine, shape, space, path, args.hook, state, max_bytes)
+        history = _history(args, path, state, max_bytes)
+        return _run(args, engine, shape, space, path, args.hook, state, max_bytes, history)
     finally:
         path.unlink(missing_ok=True)
 
 
+def _history(args: argparse.Namespace, path: Path, state: Any, max_bytes: int) -> Any:
+    """The process's history: --history, else the --trace's own, else what the hook's /snapshot carried (None:
+    none); checked against the snapshot's live blocks."""
+    from telemetry.model.tune.history import MAX_HISTORY_OPS, HistoryError, check_matches, load_history
+
+    bound = args.max_history_ops or MAX_HISTORY_OPS
+    source = args.history
+    if source is None and args.snapshot is None:
+        source = path   # a trace, or the hook's /snapshot document
+    if source is None:
+        return None
+    try:
+        history = load_history(source, device=args.device, max_bytes=max_bytes, max_ops=bound)
+    except HistoryError:
+        if args.history is not None:
+            raise
+        return None   # a trace that lost its start, or a hook that keeps no history: the snapshot alone
+    conf = args.alloc_conf if args.alloc_conf is not None else (state.alloc_conf or "")
+    check_matches(history, state, conf)
+    return history
+
+
 def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Path, where: str, state: Any,
-         max_bytes: int) -> int:
+         max_bytes: int, history: Any = None) -> int:
     from telemetry.model.allocsim.cli import write_stdout
     from telemetry.model.indexer.prefill import LaunchPattern
     from telemetry.model.tune.search import DEFAULT_TOP, Problem, suggest_utilization, tune
@@ -332,8 +380,10 @@ def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Pa
         raise ConfigError("--cap fraction: give the device's total memory (--total-memory-gb): the fraction is of it")
     limit_text += f"; cap: {cap}"
     problem = Problem(state, shape, limit, args.target_tokens, LaunchPattern(keep_previous=args.keep_previous),
-                      total_memory=total, release_cache_on_oom=release, cap=cap)
-    expanded = expand(space, shape, process_conf, engine_modes=modes(engine), engine_name=engine.name)
+                      total_memory=total, release_cache_on_oom=release, cap=cap, history=history,
+                      process_conf=process_conf)
+    expanded = expand(space, shape, process_conf, engine_modes=modes(engine), engine_name=engine.name,
+                      fraction_applies=cap == "fraction")
     mine = process_setting(shape, process_conf, args.mode)
     result = tune(problem, expanded, mine, top=args.top or DEFAULT_TOP)
     utilization = None
@@ -357,7 +407,8 @@ def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Pa
                           for i, o in enumerate(result.ranked)],
                "process": result.process.as_json(),
                "pruned": len(result.pruned), "left_out": list(result.left_out), "lines": lines,
-               "utilization": utilization, "notes": list(state.notes), "cap": cap}
+               "utilization": utilization, "notes": list(state.notes), "cap": cap,
+               "history_ops": None if history is None else len(history.ops)}
         if allocator is not None:
             doc["verify"] = {"allocator": allocator, "settings": [v.as_json() for v in verified]}
         write_stdout(json.dumps(doc, indent=1))

@@ -41,6 +41,7 @@ from telemetry.model.indexer.forecast import Forecast, simulate_prefill
 from telemetry.model.indexer.planner import check_mode, plan_prefill
 from telemetry.model.indexer.prefill import LaunchPattern
 from telemetry.model.indexer.shape import FLOAT32_BYTES, MAX_BUDGET_BYTES, IndexerShape
+from telemetry.model.tune.history import History, SimulatedOutOfMemoryError, replay
 from telemetry.model.tune.space import Expanded, Setting
 
 DEFAULT_TOP = 5
@@ -68,6 +69,30 @@ class Problem:
     total_memory: int | None = None
     release_cache_on_oom: bool = True
     cap: str = "device"
+    history: History | None = None
+    process_conf: str = ""
+    _states: dict[str, AllocatorState | None] = field(default_factory=dict, init=False, compare=False, repr=False,
+                                                      hash=False)
+
+    def same_layout(self, setting: Setting) -> bool:
+        """Whether `setting` runs the process's own allocator settings (the snapshot is its state as it is)."""
+        return same_conf(setting.alloc_conf, self.process_conf)
+
+    def state_for(self, setting: Setting) -> AllocatorState | None:
+        """The state a process restarted under `setting` has at the snapshot's moment: the snapshot for the
+        process's own allocator settings; with a history, that history replayed under the setting (within the
+        cap); without one, the snapshot (a best case for other settings: history.py). None where the history
+        itself runs out of memory under the setting."""
+        if self.history is None or self.same_layout(setting):
+            return self.state
+        conf, capacity, total = simulated_limit(self, setting.alloc_conf)
+        if conf not in self._states:
+            try:
+                self._states[conf] = replay(self.history, conf, capacity_bytes=capacity, total_memory=total,
+                                            device=self.state.device)
+            except SimulatedOutOfMemoryError:
+                self._states[conf] = None
+        return self._states[conf]
 
     def __post_init__(self) -> None:
         if self.cap not in CAPS:
@@ -103,6 +128,7 @@ class Outcome:
     target: Forecast | None = None
     pruned: str | None = None
     same_as: Setting | None = None
+    best_case: bool = False   # from the snapshot alone under other allocator settings: at most this fit
 
     @property
     def fit_tokens(self) -> int:
@@ -116,7 +142,8 @@ class Outcome:
     def as_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"setting": self.setting.as_json(), "launches_per_prefill": self.launches,
                                "max_fit_tokens": self.fit.tokens if self.fit is not None else None,
-                               "max_fit_at_most": self.fit_at_most, "pruned": self.pruned}
+                               "max_fit_at_most": self.fit_at_most, "pruned": self.pruned,
+                               "best_case": self.best_case}
         if self.target is not None:
             doc.update(peak_reserved_bytes_at_target=self.target.peak_reserved_bytes,
                        peak_growth_bytes_at_target=self.target.peak_growth_bytes,
@@ -188,10 +215,28 @@ def simulated_limit(problem: Problem, alloc_conf: str) -> tuple[str, int, int | 
     return format_alloc_conf(conf), total, total
 
 
+def same_conf(a: str, b: str) -> bool:
+    """Whether two PYTORCH_CUDA_ALLOC_CONF strings set the same allocator."""
+    return dataclasses.replace(parse_alloc_conf(a), source="") == dataclasses.replace(parse_alloc_conf(b), source="")
+
+
+def _no_room(problem: Problem, setting: Setting, tokens: int) -> Forecast:
+    """The forecast of a setting whose history itself runs out of memory: no prefill starts."""
+    from telemetry.allocator_counters import AllocatorCounters
+
+    start = AllocatorCounters(problem.limit_bytes, problem.state.counters.allocated_bytes, 0, 0)
+    return Forecast(tokens=tokens, mode=setting.mode, alloc_conf=setting.alloc_conf, start=start,
+                    reserved_growth_bytes=0, peak_reserved_bytes=problem.limit_bytes, peak_growth_bytes=0,
+                    num_device_alloc=0, num_device_free=0, out_of_memory=True)
+
+
 def _simulate(problem: Problem, setting: Setting, tokens: int, counter: _Counter) -> Forecast:
+    state = problem.state_for(setting)
+    if state is None:
+        return _no_room(problem, setting, tokens)
     counter.simulations += 1
     conf, capacity, total = simulated_limit(problem, setting.alloc_conf)
-    forecast, _ = simulate_prefill(problem.state, setting.shape(problem.base), tokens, mode=setting.mode,
+    forecast, _ = simulate_prefill(state, setting.shape(problem.base), tokens, mode=setting.mode,
                                    alloc_conf=conf, pattern=problem.pattern, capacity_bytes=capacity,
                                    total_memory=total, release_cache_on_oom=problem.release_cache_on_oom)
     return forecast
@@ -203,13 +248,19 @@ def evaluate(problem: Problem, setting: Setting, counter: _Counter | None = None
     counter = counter or _Counter()
     shape = setting.shape(problem.base)
     conf, capacity, total = simulated_limit(problem, setting.alloc_conf)
-    fit = max_prefill_tokens(problem.state, shape, limit_bytes=capacity, mode=setting.mode, alloc_conf=conf,
+    state = problem.state_for(setting)
+    launches = launches_per_prefill(shape, setting.mode, problem.target_tokens)
+    if state is None:   # the history itself does not fit under this setting
+        return Outcome(setting, launches, fit=MaxFit(0, shape.max_model_len, capacity, problem.limit_bytes,
+                                                     problem.limit_bytes, 1, 0),
+                       target=_no_room(problem, setting, problem.target_tokens))
+    fit = max_prefill_tokens(state, shape, limit_bytes=capacity, mode=setting.mode, alloc_conf=conf,
                              pattern=problem.pattern, total_memory=total,
                              release_cache_on_oom=problem.release_cache_on_oom)
     counter.simulations += fit.simulations
     if target is None:
         target = _simulate(problem, setting, problem.target_tokens, counter)
-    return Outcome(setting, launches_per_prefill(shape, setting.mode, problem.target_tokens), fit=fit, target=target)
+    return Outcome(setting, launches, fit=fit, target=target)
 
 
 def _upper_bound(problem: Problem, setting: Setting, counter: _Counter) -> int:
@@ -217,12 +268,15 @@ def _upper_bound(problem: Problem, setting: Setting, counter: _Counter) -> int:
     runs out of memory in a chunk step, no prefill that completes that step fits (fit.py, step 1)."""
     top = problem.base.max_model_len
     shape = setting.shape(problem.base)
-    floor = problem.state.counters.allocated_bytes + _largest_launch_bytes(shape, setting.mode, 1, problem.pattern)
+    state = problem.state_for(setting)
+    if state is None:
+        return 0   # the history itself does not fit under this setting
+    floor = state.counters.allocated_bytes + _largest_launch_bytes(shape, setting.mode, 1, problem.pattern)
     if floor > problem.limit_bytes:
         return 0   # not even the first launch of one token fits beside the live bytes
     counter.simulations += 1
     conf, capacity, total = simulated_limit(problem, setting.alloc_conf)
-    forecast, watch = simulate_prefill(problem.state, shape, top, mode=setting.mode, alloc_conf=conf,
+    forecast, watch = simulate_prefill(state, shape, top, mode=setting.mode, alloc_conf=conf,
                                        pattern=problem.pattern, capacity_bytes=capacity, total_memory=total,
                                        release_cache_on_oom=problem.release_cache_on_oom)
     if not forecast.out_of_memory:
@@ -261,6 +315,8 @@ def tune(problem: Problem, expanded: Expanded, process: Setting, *, top: int = D
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ConfigError(f"top must be a positive integer, got {top!r}")
     started = time.process_time()
+    if problem.process_conf != process.alloc_conf:
+        problem = dataclasses.replace(problem, process_conf=process.alloc_conf)
     counter = _Counter()
     target = problem.target_tokens
     longest = problem.base.max_model_len
@@ -339,8 +395,25 @@ def tune(problem: Problem, expanded: Expanded, process: Setting, *, top: int = D
         ranked = sorted([*ranked, mine], key=Outcome.rank_key)
         if len(ranked) > top:
             pruned.append(dataclasses.replace(ranked.pop(), pruned="below the top"))
+    if problem.history is None:
+        ranked = best_cases_after_today(problem, ranked, mine)
     return TuneResult(problem, tuple(ranked), tuple(pruned), mine, expanded.left_out, len(expanded.settings),
                       counter.simulations, time.process_time() - started)
+
+
+def best_cases_after_today(problem: Problem, ranked: list[Outcome], mine: Outcome) -> list[Outcome]:
+    """Without the process's history, a setting that changes the allocator's layout is searched from the
+    snapshot's live blocks as they lie: a best case (the history may leave free memory trapped where that
+    setting would put it). Such an outcome is marked, and never ranks above today's setting on that best case
+    alone: it ranks as if it fit no more than today does, below today among equals."""
+    marked = [dataclasses.replace(o, best_case=True) if o.fit is not None and not problem.same_layout(o.setting)
+              else o for o in ranked]
+
+    def key(o: Outcome) -> tuple[int, bool, tuple[int, int, int, int]]:
+        fit = min(o.fit_tokens, mine.fit_tokens) if o.best_case else o.fit_tokens
+        return (-fit, o.best_case, o.rank_key())
+
+    return sorted(marked, key=key)
 
 
 def suggest_utilization(outcome: Outcome, problem: Problem, current: float, total_memory: int) -> float | None:
@@ -357,5 +430,5 @@ def suggest_utilization(outcome: Outcome, problem: Problem, current: float, tota
     return share if 0.0 < share <= 1.0 else None
 
 
-__all__ = ["CAPS", "DEFAULT_TOP", "Outcome", "Problem", "TuneResult", "evaluate", "launches_per_prefill",
-           "simulated_limit", "suggest_utilization", "tune"]
+__all__ = ["CAPS", "DEFAULT_TOP", "Outcome", "Problem", "TuneResult", "best_cases_after_today", "evaluate",
+           "launches_per_prefill", "same_conf", "simulated_limit", "suggest_utilization", "tune"]

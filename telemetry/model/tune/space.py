@@ -98,17 +98,20 @@ class Expanded:
     left_out: tuple[str, ...]
 
 
-def alloc_confs(space: SearchSpace, process: AllocatorConfig) -> tuple[list[str], list[str]]:
+def alloc_confs(space: SearchSpace, process: AllocatorConfig, *,
+                fraction_applies: bool = False) -> tuple[list[str], list[str]]:
     """The distinct allocator settings of `space` over the process's (`process`), and notes on what is left out.
 
     garbage_collection_threshold acts only under a memory fraction (torch: `set_fraction`, the simulator's
-    `_gc`), so without one it is not searched: every threshold would give the defaults' answer.
+    `_gc`): the process's own, or the one the search's cap sets (`fraction_applies`: `--cap fraction`). Without
+    one it is not searched: every threshold would give the defaults' answer.
     """
     notes = []
     thresholds = space.garbage_collection_threshold
-    if process.per_process_memory_fraction is None and any(t is not None for t in thresholds):
+    fraction = process.per_process_memory_fraction is not None or fraction_applies
+    if not fraction and any(t is not None for t in thresholds):
         notes.append("garbage_collection_threshold not searched: torch applies it only under "
-                     "per_process_memory_fraction, which this process does not set")
+                     "per_process_memory_fraction, which this process does not set (--cap fraction sets one)")
         thresholds = (None,)
     seen: dict[AllocatorConfig, str] = {}
     for expandable in space.expandable_segments:
@@ -128,15 +131,16 @@ def alloc_confs(space: SearchSpace, process: AllocatorConfig) -> tuple[list[str]
 
 
 def expand(space: SearchSpace, base: IndexerShape, process_conf: str, *, engine_modes: tuple[str, ...] = MODES,
-           engine_name: str = "the engine") -> Expanded:
+           engine_name: str = "the engine", fraction_applies: bool = False) -> Expanded:
     """Every setting of `space` for a process with `base`'s shape and allocator settings `process_conf`.
 
-    engine_modes: the width modes the engine can run (SGLang has no fixed-width switch). SearchSpaceError when
+    engine_modes: the width modes the engine can run (SGLang has no fixed-width switch); fraction_applies: a
+    memory fraction caps the process (`--cap fraction`), so garbage_collection_threshold acts. SearchSpaceError when
     nothing is left, naming why.
     """
     space.check()
     process = parse_alloc_conf(process_conf)
-    confs, notes = alloc_confs(space, process)
+    confs, notes = alloc_confs(space, process, fraction_applies=fraction_applies)
     budgets = space.budgets_bytes if space.budgets_bytes is not None else (base.logits_budget_bytes,)
     chunks = space.chunks if space.chunks is not None else (base.chunk,)
     modes = [m for m in dict.fromkeys(space.modes) if m in engine_modes]
