@@ -87,8 +87,14 @@ def redact_credentials(text: str) -> str:
     return _CREDENTIALS.sub(lambda m: m.group(1) + REDACTED + "@", text)
 
 
+# A refused URL written without its scheme can still start with credentials: `user:password@host:port`.
+_LEADING_CREDENTIALS = re.compile(r"^[^/?#@\s\"'<>]+@")
+
+
 def _shown(text: object) -> str:
-    return shown(redact_credentials(text) if isinstance(text, str) else text)
+    if not isinstance(text, str):
+        return shown(text)
+    return shown(_LEADING_CREDENTIALS.sub(REDACTED + "@", redact_credentials(text)))
 
 
 def is_host(host: str) -> bool:

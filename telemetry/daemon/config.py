@@ -27,6 +27,7 @@ from telemetry.errors import ConfigError
 from telemetry.exporter.address import parse_listen as _parse_listen
 from telemetry.paths import default_state_dir
 from telemetry.scrape.ports import DAEMON_PORT
+from telemetry.url import parse_url
 from telemetry.validate import DAEMON, Check, Field, Section, Validator, boolean, optional, path_text
 
 DEFAULT_LISTEN = f"0.0.0.0:{DAEMON_PORT}"  # every interface, on the daemon's port (telemetry/scrape/ports.py)
@@ -130,7 +131,9 @@ def _hook_targets(v: Validator, value: Any, path: str) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) > MAX_HOOK_TARGETS:
         raise v.fail(path, f"expected a list of at most {MAX_HOOK_TARGETS} HOST:PORT targets")
     for i, target in enumerate(value):
-        parse_listen(target, f"{path}[{i}]")
+        if not isinstance(target, str):
+            raise v.fail(f"{path}[{i}]", "expected HOST:PORT or http(s)://HOST:PORT[/PATH]")
+        parse_url(target, f"{path}[{i}]")  # telemetry/url.py: its refusals never quote a password
     return tuple(value)
 
 
@@ -189,6 +192,15 @@ def _flight_durations(flight: FlightConfig) -> FlightConfig:
     return flight
 
 
+def _protect_role(protect: ProtectConfig, roles: tuple[RolePattern, ...]) -> ProtectConfig:
+    """A protect role target names one of the process collector's roles (checked at load, not at the collapse)."""
+    names = [role.role for role in roles]
+    if protect.target_kind == "role" and protect.target not in names:
+        raise ConfigError(f"protect.role: {_short(protect.target)} is not one of the process collector's roles "
+                          f"({', '.join(names) or 'none configured'}; processes.roles defines them)")
+    return protect
+
+
 def from_mapping(data: Any, source: str = "config") -> DaemonConfig:
     """Build a config from a parsed YAML mapping; ConfigError names the file and the key."""
     try:
@@ -206,7 +218,7 @@ def from_mapping(data: Any, source: str = "config") -> DaemonConfig:
             processes=ProcessesConfig(**top["processes"]),
             nvml=NvmlConfig(**top["nvml"]),
             flight=_flight_durations(FlightConfig(**top["flight"])),
-            protect=top["protect"],
+            protect=_protect_role(top["protect"], top["processes"].get("roles", ProcessesConfig.roles)),
             state_dir_given=state_dir is not None or bool(os.environ.get("STATE_DIRECTORY")),
         )
     except ConfigError as exc:

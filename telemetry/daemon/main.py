@@ -129,6 +129,7 @@ def build_protect(config: DaemonConfig) -> Protect:
     from telemetry.daemon.protect import Protect, Reading, start_remaining_bytes
     from telemetry.flight.hooks import HookScraper
     from telemetry.procfs.meminfo import MeminfoReader
+    from telemetry.url import redact_credentials
 
     root = config.proc_root
     headroom = HeadroomCollector(str(root / "meminfo"), str(root / "buddyinfo"), vmstat_path=str(root / "vmstat"))
@@ -142,14 +143,15 @@ def build_protect(config: DaemonConfig) -> Protect:
         value = values.get(UNIFIED_HEADROOM.series)
         if value is None or not total:
             return None
-        return float(value), float(total), {} if starts is None else start_remaining_bytes(starts.latest())
+        return float(value), float(total), {} if starts is None else start_remaining_bytes(starts.latest(), total)
 
     roles = {role.role: role.cmdline for role in config.processes.roles}
     protect = Protect(config.protect, sample, roles)
     protect.starts = starts
     mode = "dry run, " if config.protect.dry_run else ""
     protect_log.info("protect on (%swill %s once per falling-headroom episode; engine starts read from %s)", mode,
-             config.protect.describe_action(), ", ".join(targets) if targets else "no hook exporter")
+             config.protect.describe_action(),
+             ", ".join(map(redact_credentials, targets)) if targets else "no hook exporter")
     return protect
 
 

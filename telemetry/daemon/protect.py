@@ -6,9 +6,13 @@ by the one definition MemtelUnifiedHeadroomFalling also uses (telemetry.procfs.h
 quarter of MemTotal, a fitted slope steeper than 0.5 GiB/s down over 8 s, at least 4 GiB lost in those 8 s,
 and not a start the engines announced that ends above 4 GiB) it runs the configured action once per episode: signal a
 process (by pidfile, systemd unit or process-collector role) or run a command (an argument list, no shell).
-An episode ends when the condition has been false for `rearm_seconds`. Each decision, with its evidence, is
-one log line, counted in `memtel_protect_decisions_total{decision}` and kept in the `memtel_protect_last_*`
-gauges, which the flight recorder records with every other series.
+An episode ends when the condition has been false for `rearm_seconds`. What a hook says a start will still
+take is a claim from any process answering on a hook target, so it is range-checked (`start_evidence`): a value
+that is not a number is no start, one below 0 counts as 0, one above MemTotal as MemTotal, and a start that
+has only ever said 0 (no start at all) explains nothing. A role target (`role:` with `user:`) signals only
+processes of the user that runs the engine. Each decision, with its evidence, is one log line, counted in
+`memtel_protect_decisions_total{decision}` and kept in the `memtel_protect_last_*` gauges, which the flight
+recorder records with every other series.
 
 The config is hostile input: unknown keys, a command given as a string (it would need a shell), a signal
 outside a short list, a pidfile that is a symlink or not a regular file, a pid of 1 or of the daemon itself
@@ -18,7 +22,9 @@ are refused, at load time where they can be and at action time otherwise (then t
 from __future__ import annotations
 
 import logging
+import math
 import os
+import pwd
 import signal
 import stat
 import subprocess
@@ -66,6 +72,7 @@ class ProtectConfig:
     signal: str = "SIGTERM"
     target_kind: str | None = None  # "pidfile", "unit" or "role" when the action is a signal
     target: str | None = None
+    user: int | None = None  # with a role target: the uid that runs the engine; other users' processes never match
     command: tuple[str, ...] = ()  # the action when it is a command
     rearm_seconds: float = 60.0
     interval_seconds: float = 1.0
@@ -73,12 +80,25 @@ class ProtectConfig:
     def describe_action(self) -> str:
         if self.command:
             return "run " + " ".join(self.command)
-        return f"send {self.signal} to {self.target_kind} {self.target}"
+        owner = "" if self.user is None else f" of uid {self.user}"
+        return f"send {self.signal} to {self.target_kind} {self.target}{owner}"
+
+
+def parse_user(v: Any, value: Any, path: str) -> int:
+    """The engine's owner: a user name of this host or a uid."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(v.integer(value, path, 0, 2**32 - 2))
+    name = v.text(value, path, 256)
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        raise v.fail(path, f"no user {name[:64]!r} on this host; expected the user that runs the engine "
+                           "(a name or a uid)") from None
 
 
 def parse_protect(v: Any, value: Any, path: str) -> ProtectConfig:
     """The `protect:` section, checked with the daemon config's validator `v` (telemetry.validate)."""
-    data = v.mapping(value, path, (), ("enabled", "dry_run", "signal", "pidfile", "unit", "role", "command",
+    data = v.mapping(value, path, (), ("enabled", "dry_run", "signal", "pidfile", "unit", "role", "user", "command",
                                        "rearm_seconds", "interval_seconds"))
     enabled = v.boolean(data.get("enabled", False), f"{path}.enabled")
     dry_run = v.boolean(data.get("dry_run", True), f"{path}.dry_run")
@@ -114,10 +134,19 @@ def parse_protect(v: Any, value: Any, path: str) -> ProtectConfig:
             raise v.fail(f"{path}.pidfile", f"expected an absolute path, got {target!r}")
         if target_kind == "unit" and (not target or set(target) - _UNIT_CHARS or target.startswith("-")):
             raise v.fail(f"{path}.unit", f"{target[:80]!r} is not a systemd unit name")
+    user = None
+    if target_kind == "role":
+        if data.get("user") is None:
+            raise v.fail(f"{path}.user", "a role target needs the user that runs the engine (a name or a uid): "
+                                         "processes of other users with the same title are never signalled")
+        user = parse_user(v, data["user"], f"{path}.user")
+    elif data.get("user") is not None:
+        raise v.fail(f"{path}.user", "only a role target takes a user")
     if enabled and not command and target_kind is None:
         raise v.fail(path, f"enabled, but no action: give command (a list) or one of {', '.join(TARGET_KINDS)}")
     return ProtectConfig(
-        enabled=enabled, dry_run=dry_run, signal=signame, target_kind=target_kind, target=target, command=command,
+        enabled=enabled, dry_run=dry_run, signal=signame, target_kind=target_kind, target=target, user=user,
+        command=command,
         rearm_seconds=v.number(data.get("rearm_seconds", 60.0), f"{path}.rearm_seconds", 1.0, 86400.0),
         interval_seconds=v.number(data.get("interval_seconds", 1.0), f"{path}.interval_seconds", 0.1, 10.0),
     )
@@ -142,16 +171,21 @@ class Episodes:
     samples: deque[tuple[float, float, Mapping[str, float]]] = field(default_factory=deque)
     active: bool = False
     last_true: float | None = None
+    last_taking: dict[str, float] = field(default_factory=dict)  # per engine, when it last said more than 0
 
     def observe(self, now: float, headroom: float, mem_total: float,
                 start_remaining: Mapping[str, float] | None = None) -> FallingEvidence | None:
         """The evidence if this sample starts an episode (act now), else None. `start_remaining`: per starting
         engine (any key naming it), what its start will still take (its hook's memtel_engine_start_remaining_bytes;
         empty or None: no engine is starting)."""
-        self.samples.append((now, headroom, start_remaining or {}))
+        starts = start_evidence(start_remaining or {}, mem_total, now, self.last_taking)
+        self.samples.append((now, headroom, starts))
         keep = self.rule.window_seconds + self.rule.start_lag_seconds  # falling_evidence's history
         while self.samples and self.samples[0][0] < now - keep:
             self.samples.popleft()
+        present = {engine for _, _, remaining in self.samples for engine in remaining}
+        for engine in [e for e in self.last_taking if e not in present]:
+            del self.last_taking[engine]
         evidence = falling_evidence([(t, v) for t, v, _ in self.samples], mem_total, self.rule,
                                     [r for _, _, r in self.samples])
         falling = evidence is not None and evidence.is_falling(self.rule)
@@ -198,18 +232,23 @@ def check_pid(pid: int) -> int:
     return pid
 
 
-def role_pids(role_pattern: Any, limit: int = MAX_ROLE_PROCESSES) -> list[int]:
-    """Processes whose command line matches the process collector's role pattern (telemetry.daemon.collectors
-    .processes), at most `limit`."""
+def role_pids(role_pattern: Any, uid: int, limit: int = MAX_ROLE_PROCESSES) -> list[int]:
+    """The processes of user `uid` (real and effective) whose command line matches the process collector's role
+    pattern (telemetry.daemon.collectors.processes). A process title is anyone's to choose, so only the engine's
+    owner's processes count, and more than `limit` of them is refused rather than cut short (ActionError)."""
     import psutil
 
     pids = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
+    for process in psutil.process_iter(["pid", "uids", "cmdline"]):
+        uids = process.info.get("uids")
+        if uids is None or uids.real != uid or uids.effective != uid or process.info["pid"] == os.getpid():
+            continue
         cmdline = " ".join(process.info.get("cmdline") or ())
-        if cmdline and role_pattern.search(cmdline) and process.info["pid"] != os.getpid():
+        if cmdline and role_pattern.search(cmdline):
             pids.append(int(process.info["pid"]))
-            if len(pids) >= limit:
-                break
+            if len(pids) > limit:
+                raise ActionError(f"more than {limit} processes of uid {uid} match the role; refused (a role target "
+                                  "signals an engine's processes, not a crowd)")
     return pids
 
 
@@ -243,9 +282,11 @@ def run_action(config: ProtectConfig, roles: dict[str, Any]) -> str:
         if pattern is None:
             raise ActionError(f"role {config.target} is not one of the process collector's roles "
                               f"({', '.join(sorted(roles))})")
-        pids = [check_pid(pid) for pid in role_pids(pattern)]
+        if config.user is None:
+            raise ActionError(f"role {config.target} has no user (the engine's owner); refused")
+        pids = [check_pid(pid) for pid in role_pids(pattern, config.user)]
         if not pids:
-            raise ActionError(f"no process has role {config.target}")
+            raise ActionError(f"no process of uid {config.user} has role {config.target}")
     for pid in pids:
         try:
             os.kill(pid, number)
@@ -341,8 +382,43 @@ class Protect:
         return families
 
 
-def start_remaining_bytes(hook_values: Mapping[str, float]) -> dict[str, float]:
+def start_remaining_bytes(hook_values: Mapping[str, float], mem_total: float | None = None) -> dict[str, float]:
     """Per starting engine (its series key), what its start will still take: the hook exporters' last values of
-    memtel_engine_start_remaining_bytes; empty when no engine is starting."""
+    memtel_engine_start_remaining_bytes, within 0 and `mem_total` (`bounded_remaining`); empty when no engine is
+    starting."""
     prefix = ENGINE_START_REMAINING.series + "{"
-    return {key: value for key, value in hook_values.items() if key.startswith(prefix)}
+    starts = {}
+    for key, value in hook_values.items():
+        if key.startswith(prefix) and (bounded := bounded_remaining(value, mem_total)) is not None:
+            starts[key] = bounded
+    return starts
+
+
+def bounded_remaining(value: float, mem_total: float | None) -> float | None:
+    """One engine's claim of what its start will still take, range-checked: None if it is no number (no start),
+    else within 0 (a start gives nothing back: a negative claim would explain any fall) and MemTotal (no start
+    takes more than the node has; a larger claim only makes a fall less explained)."""
+    if not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    value = max(float(value), 0.0)
+    return min(value, float(mem_total)) if mem_total is not None and math.isfinite(mem_total) else value
+
+
+def start_evidence(start_remaining: Mapping[str, float], mem_total: float, now: float,
+                   last_taking: dict[str, float]) -> dict[str, float]:
+    """The starts of one sample that count as evidence: each value bounded (`bounded_remaining`), and a start at
+    0 only once that engine has said more than 0 (a start that took its plan): a start that has only ever said 0
+    (one answering on a hook target without starting anything) takes nothing and explains no fall. `last_taking`
+    (per engine, when it last said more than 0; Episodes forgets an engine gone longer than its history) is
+    updated."""
+    starts = {}
+    for engine, value in start_remaining.items():
+        bounded = bounded_remaining(value, mem_total)
+        if bounded is None:
+            continue
+        if bounded > 0:
+            last_taking[engine] = now
+        elif engine not in last_taking:
+            continue
+        starts[engine] = bounded
+    return starts

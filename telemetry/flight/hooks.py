@@ -18,7 +18,7 @@ from telemetry.catalogue import metrics as catalogue
 from telemetry.catalogue.fields import ALLOCATOR_FAMILIES
 from telemetry.flight.recorder import series_key
 from telemetry.scrape import Exposition, ExpositionError, FetchError, parse, read_metrics
-from telemetry.url import Endpoint, parse_url
+from telemetry.url import Endpoint, parse_url, redact_credentials
 
 log = logging.getLogger("memtel.daemon.flight")
 
@@ -30,7 +30,9 @@ KEPT = (*(entry for _, entry in ALLOCATOR_FAMILIES), catalogue.HOOK_HOST_MEM_AVA
 
 
 def kept_values(exposition: Exposition, target: str) -> dict[str, float]:
-    """The kept samples of one hook exporter's exposition, labelled with `target`."""
+    """The kept samples of one hook exporter's exposition, labelled with `target` (its credentials, if any,
+    written `***`: a record is no place for a password)."""
+    target = redact_credentials(target)
     names = {name for entry in KEPT for name in entry.sample_names}
     values: dict[str, float] = {}
     for sample in exposition.samples:
@@ -77,11 +79,12 @@ class HookScraper:
                     self._last.pop(target, None)  # a dead exporter leaves no stale values in the records
                 if target not in self._failing:
                     self._failing.add(target)
-                    log.info("flight recorder: hook exporter %s not readable (%s); retrying", target, exc)
+                    log.info("flight recorder: hook exporter %s not readable (%s); retrying",
+                             redact_credentials(target), redact_credentials(str(exc)))
                 continue
             if target in self._failing:
                 self._failing.discard(target)
-                log.info("flight recorder: hook exporter %s readable again", target)
+                log.info("flight recorder: hook exporter %s readable again", redact_credentials(target))
             with self._lock:
                 self._last[target] = values
 

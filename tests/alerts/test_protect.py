@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from telemetry.alerts.timeline import load_timeline
 from telemetry.daemon.config import from_mapping
@@ -33,17 +34,17 @@ BENIGN = ("page-cache-churn", "large-flat-allocation", "slow-leak-above-floor", 
           "two-engines-starting-together", "start-on-a-low-node")
 
 
-def replay(name: str, dry_run: bool = False) -> tuple[list, list[str], float]:
+def replay(name: str, dry_run: bool = False, hook: dict[str, float] | None = None) -> tuple[list, list[str], float]:
     """Feed a corpus timeline through Protect second by second, as the daemon's loop does; (decisions, the
-    actions run, the timeline's onset or start)."""
+    actions run, the timeline's onset or start). `hook`: series a hook target answers besides the timeline's."""
     timeline = load_timeline(CORPUS / f"{name}.jsonl.gz")
     records = iter(timeline.records)
     current = [timeline.records[0]]
     acted: list[str] = []
 
     def sample():
-        values = current[0].values
-        return values[HEADROOM], values[MEM_TOTAL], start_remaining_bytes(values)
+        values = {**current[0].values, **(hook or {})}
+        return values[HEADROOM], values[MEM_TOTAL], start_remaining_bytes(values, values[MEM_TOTAL])
 
     def action(config, roles):
         acted.append(config.describe_action())
@@ -77,6 +78,26 @@ def test_protect_acts_once_on_a_start_that_asks_too_much_or_a_collapse_during_a_
     assert len(decisions) == 1 and acted == ["run /bin/true"], decisions
     assert decisions[0].time - onset <= within_s
     assert decisions[0].evidence.after_starts_bytes is not None and decisions[0].evidence.after_starts_bytes < 4 * 2**30
+
+
+HOSTILE_START = 'memtel_engine_start_remaining_bytes{pid="4242",rank="0",target="127.0.0.1:9200"}'
+
+
+@pytest.mark.parametrize("claim", [-1e308, -1.0, 0.0, float("nan"), float("-inf")])
+def test_a_hook_that_claims_a_start_taking_nothing_or_less_neither_silences_nor_delays_the_action(claim):
+    """Issue 41: a process answering on a hook target with a negative memtel_engine_start_remaining_bytes made
+    every fall "explained" (protect never acted on the collapse); one answering 0 made it act ~12 s late."""
+    decisions, acted, onset = replay("collapse-29-to-2.5-gib-in-9s", hook={HOSTILE_START: claim})
+    assert len(decisions) == 1 and acted == ["run /bin/true"], decisions
+    assert decisions[0].time - onset <= 3.0, f"acted {decisions[0].time - onset:.0f} s after the collapse began"
+
+
+def test_engine_start_claims_are_bounded_by_zero_and_the_nodes_memory():
+    values = {HOSTILE_START: -5.0, HOSTILE_START.replace("4242", "1"): 1e300,
+              HOSTILE_START.replace("4242", "2"): float("nan"), HOSTILE_START.replace("4242", "3"): 7.0,
+              "memtel_allocator_reserved_bytes{rank=\"0\"}": -1.0}
+    assert start_remaining_bytes(values, 100.0) == {HOSTILE_START: 0.0, HOSTILE_START.replace("4242", "1"): 100.0,
+                                                     HOSTILE_START.replace("4242", "3"): 7.0}
 
 
 @pytest.mark.parametrize("name", BENIGN)
@@ -213,13 +234,74 @@ def test_a_signal_to_a_process_collector_role_reaches_its_processes():
     marker = "memtel-protect-role-test-7f3a"
     child = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(60)", marker])
     try:
-        config = ProtectConfig(enabled=True, dry_run=False, signal="SIGUSR1", target_kind="role", target="victim")
+        config = ProtectConfig(enabled=True, dry_run=False, signal="SIGUSR1", target_kind="role", target="victim",
+                               user=os.getuid())
         assert f"pid {child.pid}" in run_action(config, {"victim": re.compile(re.escape(marker))})
         assert child.wait(timeout=10) == -10
-        with pytest.raises(ActionError, match="no process has role victim"):
+        with pytest.raises(ActionError, match=f"no process of uid {os.getuid()} has role victim"):
             run_action(config, {"victim": re.compile(re.escape(marker))})
         with pytest.raises(ActionError, match="is not one of the process collector's roles"):
             run_action(config, {})
     finally:
         child.kill()
         child.wait()
+
+
+NOBODY = 65534
+
+
+def _titled(title: str, user: int | None = None) -> subprocess.Popen:
+    """A sleeping process whose command line starts with `title` (bash's exec -a), run as `user`."""
+    return subprocess.Popen(["/bin/bash", "-c", f"exec -a {title} /bin/sleep 60"], user=user)
+
+
+def _wait_titled(processes: list[subprocess.Popen], deadline_s: float = 10.0) -> None:
+    """Until each process has exec'd into its title (bash first runs under its own command line)."""
+    import time
+
+    import psutil
+
+    end = time.monotonic() + deadline_s
+    for process in processes:
+        while psutil.Process(process.pid).cmdline()[:1] == ["/bin/bash"]:
+            assert time.monotonic() < end, "a titled process did not start"
+            time.sleep(0.01)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts processes of another user")
+def test_a_role_target_signals_only_the_engines_owner_and_is_never_filled_by_decoys():
+    """Issue 41: 16 processes of any user titled like the engine filled the role's 16 places; the engine was
+    never signalled. Now only the owner's processes match, however many decoys there are."""
+    import re
+
+    decoys = [_titled("VLLM::EngineCore-decoy", NOBODY) for _ in range(17)]
+    engine = _titled("VLLM::EngineCore-7f3a")
+    try:
+        _wait_titled([*decoys, engine])
+        config = from_mapping({"protect": {"enabled": True, "dry_run": False, "role": "engine_core", "user": 0,
+                                           "signal": "SIGUSR1"}}).protect
+        assert config.user == 0
+        done = run_action(config, {"engine_core": re.compile(r"^VLLM::EngineCore")})
+        assert f"pid {engine.pid} " in done and engine.wait(timeout=10) == -10
+        assert all(decoy.poll() is None for decoy in decoys) and not any(str(d.pid) in done for d in decoys)
+    finally:
+        for process in (*decoys, engine):
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"enabled": True, "role": "nosuchrole", "user": "root"},
+     "protect.role: 'nosuchrole' is not one of the process collector's roles (api_server, engine_core, worker"),
+    ({"enabled": True, "role": "worker"}, "protect.user: a role target needs the user that runs the engine"),
+    ({"enabled": True, "role": "worker", "user": "no-such-user-7f3a"}, "protect.user: no user 'no-such-user-7f3a'"),
+    ({"enabled": True, "unit": "vllm", "user": "root"}, "protect.user: only a role target takes a user"),
+])
+def test_a_role_target_names_a_known_role_and_the_engines_owner_at_check_config(tmp_path, section, message):
+    from tests.daemon.helpers import check_config
+
+    config = tmp_path / "daemon.yaml"
+    config.write_text(yaml.safe_dump({"protect": section}))
+    result = check_config("--config", str(config))
+    assert result.returncode == 2 and result.stdout == ""
+    assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
