@@ -14,8 +14,10 @@ from types import ModuleType
 
 import pytest
 
-# The top-level module -> the extra of pyproject.toml that installs it.
-EXTRA_OF = {"httpx": "harness", "rich": "harness", "matplotlib": "harness", "numpy": "harness", "bcrypt": "auth"}
+# The top-level module -> the extra of pyproject.toml that installs it. `openai` is the tests' independent client
+# (the `test` extra): a GPU box with the core install skips the modules that import it.
+EXTRA_OF = {"httpx": "harness", "rich": "harness", "matplotlib": "harness", "numpy": "harness", "bcrypt": "auth",
+            "openai": "test"}
 
 
 def missing_reason(module: str) -> str:
@@ -34,8 +36,19 @@ def missing_extra(error: BaseException | None) -> str | None:
 
 
 def need(module: str) -> ModuleType:
-    """`module`, imported; the calling test skips with the extra to install where it is missing."""
+    """`module`, imported; the calling test skips with the extra to install where it is missing. At a module's
+    top (`openai = need("openai")`) it skips the whole module, as tests/conftest.py does for a plain import."""
     return pytest.importorskip(module, reason=missing_reason(module))
 
 
-__all__ = ["EXTRA_OF", "missing_extra", "missing_reason", "need"]
+# A sitecustomize.py that makes the extras' modules unimportable in a Python started with its directory on
+# PYTHONPATH, as on a box with memtel's core install only (tests/test_extras.py): a None in sys.modules makes
+# `import openai` raise ModuleNotFoundError and importlib.util.find_spec("openai") answer None.
+BLOCK_EXTRAS_SITECUSTOMIZE = f"""\
+import sys
+
+sys.modules.update(dict.fromkeys({sorted(EXTRA_OF)!r}))
+"""
+
+
+__all__ = ["BLOCK_EXTRAS_SITECUSTOMIZE", "EXTRA_OF", "missing_extra", "missing_reason", "need"]
