@@ -511,7 +511,13 @@ class Forecaster:
     # ---- the thread -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the thread (once; again in a forked child)."""
+        """Start the thread (once; again in a forked child); under MEMTEL_HOOK_HISTORY=1 with torch loaded, torch's
+        allocator recorder too, for /snapshot's history (history.py)."""
+        from telemetry.hook.forecast.history import recording_asked, start_torch_recording
+
+        torch = sys.modules.get("torch")
+        if torch is not None and recording_asked():
+            start_torch_recording(torch)
         with self._lock:
             if self._thread is not None or self._stop.is_set():
                 return

@@ -150,15 +150,17 @@ def live_sizes(history: History) -> list[int]:
 def check_matches(history: History, state: AllocatorState, alloc_conf: str) -> None:
     """HistoryError unless the history's live allocations are the snapshot's live blocks: as many, and each
     block its allocation's size as the allocator rounds it (`alloc_conf`, the process's settings), or up to a
-    remainder the allocator does not split off (below 1 MiB in the large pool, 512 bytes in the small)."""
+    remainder the allocator does not split off (up to 1 MiB in the large pool, or max_non_split_rounding_mb's
+    for an oversize block; none in the small)."""
     conf = parse_alloc_conf(alloc_conf)
     wanted = sorted(round_size(n, conf) for n in live_sizes(history))
     blocks = sorted(b.size for s in state.segments for b in s.blocks if b.live)
     if len(wanted) != len(blocks):
         raise HistoryError(f"{history.source}: {len(wanted):,} allocations live at its end, the snapshot holds "
                            f"{len(blocks):,} live blocks: the history is not this process's up to this snapshot")
+    slack = max(SMALL_SIZE, conf.max_non_split_rounding_size)   # a large block's unsplit rest, at most
     for size, block in zip(wanted, blocks, strict=True):
-        if not size <= block < size + (SMALL_SIZE if size > SMALL_SIZE else 512):
+        if not size <= block <= size + (slack if size > SMALL_SIZE else 0):
             raise HistoryError(f"{history.source}: its live allocations are not the snapshot's live blocks (an "
                                f"allocation of {size:,} bytes against a block of {block:,}): the history is not "
                                "this process's up to this snapshot")

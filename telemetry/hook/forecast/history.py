@@ -1,0 +1,170 @@
+"""The serving process's allocation history, kept bounded, for `/snapshot` (`memtel tune` replays it).
+
+`AllocationHistory` takes every allocation and free the allocator makes, in order (`alloc(key, nbytes)`,
+`free(key)`; a key is the block's address, unique while live), and keeps them as ops
+``["a", id, nbytes]`` / ``["f", id]`` (telemetry/model/tune/history.py reads them).
+
+Compaction: a serving engine repeats itself (one prefill's launches are the next one's), so the history is
+cut into episodes, windows that start with nothing of their own live and end when all they allocated is freed,
+freeing nothing older. An episode that repeats the one just before it op for op (the same sizes, the same order
+of allocations and frees) is dropped: its first run already left the cached blocks the second reuses. A
+repeated allocation and free with nothing between (the smallest episode) is the same rule. What cannot be
+compacted (a new size, a free of an older block) is kept, up to `max_ops`; beyond that the history is given up
+(`lost` says why; /snapshot serves the segments without it, and `memtel tune` says its answer is then a best
+case) rather than kept wrong.
+
+Cost: O(candidates) per op (64 by default), plus the episode's comparison when it ends (its length). Sources: an
+allocator source that calls `alloc`/`free` and returns `{"segments": ..., "history": ops()}` from its snapshot
+callable (`set_allocator_source`), and on CUDA torch's own recorder (`torch.cuda.memory._record_memory_history`,
+started with `start_torch_recording()` where MEMTEL_HOOK_HISTORY=1; its ring is compacted here when
+/snapshot is asked, `from_torch_trace()`). The CUDA side's cost per allocation is not measured yet
+(benchmarks/hook_history_gpu.py; docs/lab.md).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+MAX_HISTORY_OPS = 2_000_000      # ops kept after compaction (the replay's bound, telemetry/model/tune/history.py)
+HISTORY_ENV = "MEMTEL_HOOK_HISTORY"
+TORCH_MAX_ENTRIES = 4_000_000    # torch's ring of trace entries when the hook records on CUDA
+
+
+class AllocationHistory:
+    """Ops in order, compacted as the module says; thread-safe. Episodes are looked for from each of the last
+    `candidates` allocations (a block that stays live, a model's weights, does not stop the ones after it)."""
+
+    def __init__(self, max_ops: int = MAX_HISTORY_OPS, candidates: int = 64) -> None:
+        if max_ops < 1 or candidates < 1:
+            raise ValueError(f"max_ops and candidates must be >= 1, got {max_ops}, {candidates}")
+        self.max_ops = max_ops
+        self.lost: str | None = None
+        self.dropped = 0                              # ops compacted away
+        self._ops: list[list[int | str]] = []
+        self._live: dict[int, int] = {}              # key -> op id
+        self._next = 0
+        self._open: list[tuple[int, int, set[int]]] = []   # (first op's position, its id, ids it holds live)
+        self._candidates = candidates
+        self._ended: dict[int, tuple[Any, ...]] = {}   # where recent episodes ended -> the signature of the longest
+        self._lock = threading.Lock()
+
+    def alloc(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            if self.lost is not None:
+                return
+            if key in self._live:   # a key reused before its free: the source skipped a free
+                self._give_up("an allocation at an address that is live (a free was not seen)")
+                return
+            ident = self._next
+            self._next += 1
+            self._live[key] = ident
+            for _, _, held in self._open:
+                held.add(ident)
+            self._open.append((len(self._ops), ident, {ident}))
+            if len(self._open) > self._candidates:
+                del self._open[0]
+            self._ops.append(["a", ident, nbytes])
+            self._bound()
+
+    def free(self, key: int) -> None:
+        with self._lock:
+            if self.lost is not None:
+                return
+            ident = self._live.pop(key, None)
+            if ident is None:
+                self._give_up("a free of an address it never saw allocated (recording began late)")
+                return
+            self._ops.append(["f", ident])
+            # an episode that started after this block was allocated is not self-contained
+            self._open = [c for c in self._open if c[1] <= ident]
+            ended = None
+            for candidate in self._open:
+                candidate[2].discard(ident)
+                if not candidate[2] and ended is None:
+                    ended = candidate   # the earliest start: the longest self-contained window
+            if ended is not None:
+                self._episode_ended(ended[0])
+            self._bound()
+
+    def ops(self) -> list[list[int | str]] | None:
+        """A copy of the ops (None once given up)."""
+        with self._lock:
+            return None if self.lost is not None else [list(op) for op in self._ops]
+
+    def _episode_ended(self, start: int) -> None:
+        window = self._ops[start:]
+        first = window[0][1]
+        signature = tuple((op[0], int(op[1]) - int(first), op[2] if op[0] == "a" else 0) for op in window)
+        self._open = [c for c in self._open if c[2]]   # the window's own candidates have ended with it
+        if self._ended.get(start) == signature:   # the same episode, just before this one
+            del self._ops[start:]
+            self.dropped += len(window)
+            self._open = [c for c in self._open if c[0] < start]
+            self._ended = {end: sig for end, sig in self._ended.items() if end <= start}
+        else:
+            self._ended[len(self._ops)] = signature
+            if len(self._ended) > self._candidates:
+                del self._ended[min(self._ended)]
+
+    def _bound(self) -> None:
+        if len(self._ops) > self.max_ops:
+            self._give_up(f"over {self.max_ops:,} ops after compaction")
+
+    def _give_up(self, why: str) -> None:
+        self.lost = why
+        self._ops = []
+        self._live = {}
+        self._open = []
+        self._ended = {}
+
+
+def from_torch_trace(entries: Iterable[Mapping[str, Any]], max_ops: int = MAX_HISTORY_OPS) -> AllocationHistory:
+    """The compacted history of one device's torch trace entries (`_snapshot()["device_traces"][device]`):
+    `alloc` and `free_completed` in order (the allocator's trace: telemetry/model/allocsim/trace.py)."""
+    history = AllocationHistory(max_ops)
+    for entry in entries:
+        action = entry.get("action")
+        if action == "alloc":
+            history.alloc(int(entry["addr"]), int(entry["size"]))
+        elif action == "free_completed":
+            history.free(int(entry["addr"]))
+        if history.lost is not None:
+            break
+    return history
+
+
+def recording_asked(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(HISTORY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def start_torch_recording(torch: Any, max_entries: int = TORCH_MAX_ENTRIES) -> bool:
+    """Turn on torch's allocator trace without stacks (the cheapest it records), from now on. False where this
+    torch cannot. Call it before the engine allocates (its start): a history that lost its start is refused."""
+    record = getattr(getattr(getattr(torch, "cuda", None), "memory", None), "_record_memory_history", None)
+    if record is None:
+        return False
+    try:
+        record(enabled="all", context=None, stacks="python", max_entries=max_entries)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+def torch_history(torch: Any, device: int, max_ops: int = MAX_HISTORY_OPS) -> tuple[list[Any] | None, str | None]:
+    """(the compacted ops of `device`'s trace, why there are none)."""
+    try:
+        doc = torch.cuda.memory._snapshot()
+    except (AttributeError, RuntimeError) as exc:
+        return None, f"torch gives no allocation history ({type(exc).__name__})"
+    traces = doc.get("device_traces") or []
+    if device >= len(traces) or not traces[device]:
+        return None, f"no allocation history recorded (set {HISTORY_ENV}=1 before the engine starts)"
+    history = from_torch_trace(traces[device], max_ops)
+    return history.ops(), history.lost
+
+
+__all__ = ["HISTORY_ENV", "MAX_HISTORY_OPS", "AllocationHistory", "from_torch_trace", "recording_asked",
+           "start_torch_recording", "torch_history"]
