@@ -2,7 +2,8 @@
 benign timelines on which an alert fired (docs/alerts.md, "Scores").
 
 A problem is a page (a `severity: critical` alert) on a benign timeline, or an alert that a failure timeline
-expects (`expect`) and that did not fire before the failure, or not within its `within_s` of the onset.
+expects (`expect`) and that did not fire before the failure, or not within its `within_s` of the onset, or not
+with the severity expected (a failure that must page, caught only by a warning).
 """
 
 from __future__ import annotations
@@ -23,16 +24,22 @@ PAGE = "critical"
 @dataclass
 class ExpectationResult:
     timeline: str
-    alert: str
+    alert: str   # the alert expected, or "any critical alert"
     fired_before_failure: bool
     lead_s: float | None  # failure time minus first firing before it
     detect_s: float | None  # first firing before the failure minus the onset (or the first record)
     within_s: float | None
+    severity: str | None = None       # the severity expected ("critical": it must page)
+    alert_severity: str | None = None  # the severity the rules give the alert (None: any alert of `severity`)
+
+    @property
+    def severity_ok(self) -> bool:
+        return self.severity is None or self.alert_severity is None or self.alert_severity == self.severity
 
     @property
     def ok(self) -> bool:
-        return self.fired_before_failure and (self.within_s is None or
-                                              (self.detect_s is not None and self.detect_s <= self.within_s))
+        return self.fired_before_failure and self.severity_ok and (
+            self.within_s is None or (self.detect_s is not None and self.detect_s <= self.within_s))
 
 
 @dataclass
@@ -59,7 +66,10 @@ class Score:
                 out.extend(f"{score.alert} (critical) pages on benign timeline {name} ({onsets} time(s), "
                            f"{seconds:g} s firing)" for name, seconds, onsets in score.benign_fired)
         for result in self.expectations:
-            if not result.fired_before_failure:
+            if not result.severity_ok:
+                out.append(f"{result.alert} is a {result.alert_severity} alert; {result.timeline} must be caught by a "
+                           f"{result.severity} one")
+            elif not result.fired_before_failure:
                 out.append(f"{result.alert} misses the failure of {result.timeline}, which it is expected to catch")
             elif not result.ok:
                 out.append(f"{result.alert} caught {result.timeline} {result.detect_s:g} s after the onset; "
@@ -107,11 +117,17 @@ def score(timelines: list[Timeline], rule_files: list[Path]) -> Score:
             else:
                 score_.missed.append(timeline.name)
         for expected in outcome.expect:
-            before = evaluation.alerts.get(expected.alert, AlertRecord()).first_fired_before_failure_s
+            if expected.alert is not None:
+                candidates = [expected.alert]
+            else:
+                candidates = [name for name, severity in severities.items() if severity == expected.severity]
+            firings = [evaluation.alerts.get(name, AlertRecord()).first_fired_before_failure_s for name in candidates]
+            before = min((f for f in firings if f is not None), default=None)
             fired = before is not None and before <= failure_s
             expectations.append(ExpectationResult(
-                timeline.name, expected.alert, fired, failure_s - before if fired and before is not None else None,
-                before - onset_s if fired and before is not None else None, expected.within_s))
+                timeline.name, expected.label, fired, failure_s - before if fired and before is not None else None,
+                before - onset_s if fired and before is not None else None, expected.within_s, expected.severity,
+                severities.get(expected.alert, "none") if expected.alert is not None and expected.severity else None))
     return Score([str(p) for p in rule_files], evaluations, alerts, expectations)
 
 
@@ -165,8 +181,9 @@ def as_text(result: Score) -> str:
         for r in result.expectations:
             if r.fired_before_failure:
                 within = "" if r.within_s is None else f" (expected within {r.within_s:g} s)"
+                verdict = "ok" if r.ok else "LATE" if r.severity_ok else f"a {r.alert_severity}, NOT A PAGE"
                 lines.append(f"  {r.timeline}: {r.alert} fired {r.detect_s:.0f} s after the onset, "
-                             f"{r.lead_s:.0f} s before the failure{within}: {'ok' if r.ok else 'LATE'}")
+                             f"{r.lead_s:.0f} s before the failure{within}: {verdict}")
             else:
                 lines.append(f"  {r.timeline}: {r.alert} MISSED")
     problems = result.problems

@@ -5,22 +5,29 @@ A timeline file is JSON Lines (gzip-compressed when its name ends in .gz). Every
 
     {"time": 1764626400.0, "values": {"memtel_node_unified_headroom_bytes": 3.1e10, ...}}
 
-(other keys, such as `seq` and `boot_id`, are ignored). One line says what the timeline is:
+(other keys, such as `seq` and `boot_id`, are ignored). A record `{"time": ..., "up": 0, "values": {}}` is a
+scrape of the node that failed (the host down or wedged: Prometheus writes `up` 0 and marks every series stale),
+and so is every second of a gap of more than GAP_DOWN_S between two records (the flight recorder writes every
+second while the daemon runs). Another target's `up` is a series with its job, `up{job="memtel-hook",...}`.
+One line says what the timeline is:
 
     {"memtel_timeline": {"outcome": "failure", "failure_at": 1764626439.0, "onset_at": 1764626430.0,
                          "node": "spark-a", "description": "...",
-                         "expect": [{"alert": "MemtelUnifiedHeadroomFalling", "within_s": 5}]}}
+                         "expect": [{"alert": "MemtelUnifiedHeadroomFalling", "within_s": 5,
+                                     "severity": "critical"}]}}
 
 `outcome` is "failure" (then `failure_at`, Unix seconds on the records' clock, is required) or "benign".
 `expect` lists the alerts that claim to catch this failure: each must fire before `failure_at`, and within
-`within_s` seconds of `onset_at` (or of the first record) when given. So an incident recorded by the flight
-recorder becomes a timeline by adding that one line to its export. Every problem is a `ConfigError` that
-names the file and the line.
+`within_s` seconds of `onset_at` (or of the first record) when given; with `severity` ("critical": this must
+page) the alert must carry that severity, and without `alert` any alert of that severity counts. So an incident
+recorded by the flight recorder becomes a timeline by adding that one line to its export. Every problem is a
+`ConfigError` that names the file and the line.
 
 A timeline is data, never verdicts: a series the rule engine writes (`ALERTS`, `ALERTS_FOR_STATE`, any
 recording rule's output: `rule_outputs`) is refused, or a file could say an alert fired that never did. It is
 bounded before anything is evaluated: times are Unix seconds in [0, MAX_TIME_S], the records span at most
-MAX_SPAN_S (promtool evaluates every second of it), at most MAX_RECORDS records and MAX_SERIES series.
+MAX_SPAN_S (promtool evaluates every second of it), at most MAX_RECORDS records and MAX_SERIES series, and
+(seconds + 1) x (series + 1) at most MAX_WORK (promtool expands every series to every second of the span).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +49,18 @@ from telemetry.safeyaml import load_yaml_file
 HEADER_KEY = "memtel_timeline"
 OUTCOMES = ("benign", "failure")
 HEADER_KEYS = ("outcome", "failure_at", "onset_at", "node", "description", "expect")
-EXPECT_KEYS = ("alert", "within_s")
+EXPECT_KEYS = ("alert", "within_s", "severity")
+SEVERITIES = ("critical", "warning")
 MAX_TIMELINE_BYTES = 256 * 1024 * 1024
 MAX_RECORDS = 200_000  # two records a second over the longest span
 MAX_SERIES_PER_RECORD = 10_000
 MAX_SERIES = 10_000     # distinct series in one timeline (the shipped corpus: at most 99; a node exports ~100)
 MAX_SPAN_S = 100_000.0  # the flight recorder's largest ring (100,000 slots) at its 1 s interval: 27.8 h
 MAX_TIME_S = float(2**32)  # Unix seconds up to the year 2106
+# promtool's work for one timeline, (seconds + 1) x (series + 1): it expands each series to every second of the
+# span and evaluates the rules over it. BENCHMARKS.md ("Alerts: the score's work") has the cost per unit.
+MAX_WORK = 8_000_000
+GAP_DOWN_S = 10  # a gap between two records longer than this is failed scrapes of the node (up 0)
 # Series only the rule engine writes: its alerts' state. Recording rules' outputs come from the rule files.
 RULE_ENGINE_SERIES = frozenset({"ALERTS", "ALERTS_FOR_STATE"})
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,62}$")
@@ -59,8 +72,13 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 @dataclass(frozen=True)
 class Expectation:
-    alert: str
+    alert: str | None   # None: any alert of `severity`
     within_s: float | None = None
+    severity: str | None = None  # "critical": the failure must page
+
+    @property
+    def label(self) -> str:
+        return self.alert or f"any {self.severity} alert"
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,7 @@ class Outcome:
 class Record:
     time: float
     values: dict[str, float]
+    up: bool = True   # False: the node's scrape failed at this time
 
 
 @dataclass(frozen=True)
@@ -94,6 +113,15 @@ class Timeline:
     @property
     def end(self) -> float:
         return self.records[-1].time
+
+    @cached_property
+    def series(self) -> int:
+        return len({key for record in self.records for key in record.values})
+
+    @cached_property
+    def work(self) -> int:
+        """promtool's work for it: (seconds + 1) x (series + 1, the daemon's `up`)."""
+        return (round(self.end - self.start) + 1) * (self.series + 1)
 
 
 def parse_series_key(key: str) -> tuple[str, dict[str, str]] | None:
@@ -156,17 +184,22 @@ def _outcome(data: Any, where: str) -> Outcome:
         raise ConfigError(f"{where}: expect must be a list of at most 64 {{alert, within_s}} objects")
     expect = []
     for i, item in enumerate(expect_raw):
-        if not isinstance(item, dict) or set(item) - set(EXPECT_KEYS) or "alert" not in item:
-            raise ConfigError(f"{where}: expect[{i}] must be an object with 'alert' and optionally 'within_s'")
-        if not isinstance(item["alert"], str) or not _ALERT.match(item["alert"]):
+        if not isinstance(item, dict) or set(item) - set(EXPECT_KEYS) or not ("alert" in item or "severity" in item):
+            raise ConfigError(f"{where}: expect[{i}] must be an object with 'alert' or 'severity' (or both) and "
+                              "optionally 'within_s'")
+        if "alert" in item and (not isinstance(item["alert"], str) or not _ALERT.match(item["alert"])):
             raise ConfigError(f"{where}: expect[{i}].alert is not an alert name: {shown(item['alert'], 40)}")
+        severity = item.get("severity")
+        if severity is not None and severity not in SEVERITIES:
+            raise ConfigError(f"{where}: expect[{i}].severity must be one of {', '.join(SEVERITIES)}, "
+                              f"got {shown(severity, 40)}")
         within = item.get("within_s")
         if within is not None:
             within = _number(within, f"{where}: expect[{i}].within_s")
             if not 0 <= within <= MAX_SPAN_S:
                 raise ConfigError(f"{where}: expect[{i}].within_s must be seconds from 0 to {MAX_SPAN_S:.0f}, "
                                   f"got {shown(within, 40)}")
-        expect.append(Expectation(item["alert"], within))
+        expect.append(Expectation(item.get("alert"), within, severity))
     if expect and kind != "failure":
         raise ConfigError(f"{where}: expect lists alerts that catch a failure; a benign timeline has none")
     return Outcome(kind, failure_at, onset_at, node, description, tuple(expect))
@@ -177,10 +210,20 @@ def _record(data: dict[str, object], where: str) -> Record:
     values = data.get("values")
     if not isinstance(values, dict) or len(values) > MAX_SERIES_PER_RECORD:
         raise ConfigError(f"{where}: values must be an object of at most {MAX_SERIES_PER_RECORD} series")
+    up = data.get("up", 1)
+    if up not in (0, 1) or isinstance(up, float):
+        raise ConfigError(f"{where}: up must be 1 (the node's scrape answered) or 0 (it failed), got {shown(up, 40)}")
+    if not up and values:
+        raise ConfigError(f"{where}: a record with up 0 is a failed scrape and carries no values")
     parsed: dict[str, float] = {}
     for key, value in values.items():
-        if parse_series_key(key) is None:
+        series = parse_series_key(key)
+        if series is None:
             raise ConfigError(f"{where}: {shown(key)} is not a series name (name or name{{label=\"value\",...}})")
+        if series[0] == "up" and not (series[1].get("job", "").startswith("memtel-")
+                                      and not series[1]["job"].startswith("memtel-daemon")):
+            raise ConfigError(f"{where}: {shown(key)}: an `up` series names its target's job (memtel-hook, "
+                              "memtel-vllm, ...); the daemon's own is the record's up key")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: the value of {shown(key)} is not a number")
         try:
@@ -188,7 +231,7 @@ def _record(data: dict[str, object], where: str) -> Record:
         except OverflowError:
             raise ConfigError(f"{where}: the value of {shown(key)} is {shown(value, 40)}, past a float's range") \
                 from None
-    return Record(time, parsed)
+    return Record(time, parsed, bool(up))
 
 
 def _refused(name: str, where: str) -> ConfigError:
@@ -282,7 +325,12 @@ def load_timeline(path: Path) -> Timeline:
     if outcome.failure_at is not None and outcome.failure_at < records[0].time:
         raise ConfigError(f"{path}: failure_at {outcome.failure_at} is before the first record ({records[0].time})")
     name = path.name.removesuffix(".gz").removesuffix(".jsonl")
-    return Timeline(name, outcome, tuple(records), str(path), first_lines)
+    timeline = Timeline(name, outcome, tuple(records), str(path), first_lines)
+    if timeline.work > MAX_WORK:
+        raise ConfigError(f"{path}: {timeline.end - timeline.start + 1:,.0f} s x {timeline.series + 1:,} series is "
+                          f"{timeline.work:,} series-seconds; a timeline may hold at most {MAX_WORK:,} (promtool "
+                          "expands every series to every second): split it, or keep the series the rules read")
+    return timeline
 
 
 def timeline_paths(corpus: Path) -> list[Path]:

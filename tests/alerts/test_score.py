@@ -20,7 +20,7 @@ import yaml
 
 from telemetry.alerts.cli import default_rules
 from telemetry.alerts.score import score
-from telemetry.alerts.timeline import load_timeline, timeline_paths
+from telemetry.alerts.timeline import Outcome, Record, Timeline, load_timeline, timeline_paths
 from telemetry.daemon.protect import Protect, ProtectConfig, start_remaining_bytes
 from tests.alerts import make_corpus
 from tests.support.cli import call_main
@@ -311,3 +311,82 @@ def test_burn_in_records_this_machine_and_scores_it(burn_in):
 def test_burn_in_refuses_bad_minutes():
     code, out, err = cli("alerts", "burn-in", "--minutes", "0")
     assert code == 2 and out == "" and "--minutes 0: expected 0.5 to 1440" in err and err.count("\n") == 1
+
+
+# -- a score that cannot pass silently (issue 38) -------------------------------------------------------------
+STEADY_RULES = """
+groups:
+  - name: g
+    rules:
+      - alert: Hot
+        expr: memtel_node_unified_headroom_bytes < 5
+        labels: {severity: critical}
+"""
+
+
+def steady(name: str, seconds: int, series: int, outcome: str = "benign") -> tuple[Path, str]:
+    """A timeline file whose `series` headroom series all sit below 5 for `seconds`."""
+    header = {"memtel_timeline": {"outcome": outcome}}
+    records = [{"time": 1_764_547_200 + t, "values": {f'memtel_node_unified_headroom_bytes{{gpu="{g}"}}': 1
+                                                      for g in range(series)}} for t in range(seconds)]
+    return Path(name).with_suffix(".jsonl"), "\n".join(json.dumps(r) for r in [header, *records]) + "\n"
+
+
+@pytest.mark.prometheus
+def test_an_alert_firing_for_three_hours_on_a_benign_timeline_is_scored(tmp_path):
+    """Issue 38: two critical series firing for 3 hours made the whole-span queries pass promtool's 10,000
+    samples; the timeline then showed nothing fired and no problem. In windows, all 21,600 s are counted."""
+    rules = tmp_path / "rules.yml"
+    rules.write_text(STEADY_RULES)
+    name, text = steady("decode-3h", 3 * 3600, 2)
+    (tmp_path / name).write_text(text)
+    result = score([load_timeline(tmp_path / name)], [rules])
+    assert result.problems == ["Hot (critical) pages on benign timeline decode-3h (2 time(s), 21600 s firing)"]
+
+
+@pytest.mark.prometheus
+def test_a_query_promtool_fails_fails_the_score(tmp_path):
+    """40 alert series firing at once hold 12,000 samples in a 300 s window: promtool refuses the query, and the
+    score says so instead of counting zero."""
+    rules = tmp_path / "rules.yml"
+    rules.write_text(STEADY_RULES)
+    name, text = steady("wide", 300, 40)
+    (tmp_path / name).write_text(text)
+    code, out, err = cli("alerts", "score", str(tmp_path / name), "--rules", str(rules))
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert "wide: promtool failed the score's query for seconds 0 to 299: query processing would load too many " \
+           "samples" in err
+
+
+@pytest.mark.prometheus
+def test_a_timeline_in_parts_scores_as_a_whole(tmp_path, monkeypatch):
+    """A long timeline is evaluated in parts, each with the rules' memory before it: the same answer."""
+    from telemetry.alerts import promtool
+
+    rules = tmp_path / "rules.yml"
+    rules.write_text("groups:\n  - name: g\n    rules:\n      - alert: Dip\n"
+                     "        expr: min_over_time(memtel_node_unified_headroom_bytes[10s]) < 5\n        for: 7s\n")
+    values = [10 if (t // 23) % 2 else 1 for t in range(200)]
+    line = Timeline("dips", Outcome("benign"), tuple(
+        Record(1_764_547_200.0 + t, {"memtel_node_unified_headroom_bytes": float(v)}) for t, v in enumerate(values)))
+    whole = score([line], [rules]).evaluations[0].alerts
+    monkeypatch.setattr(promtool, "PART_S", 31)
+    monkeypatch.setattr(promtool, "WINDOW_S", 11)
+    assert len(promtool.parts(line, promtool.rule_memory_s([rules]))) == 7
+    assert score([line], [rules]).evaluations[0].alerts == whole
+    assert whole["Dip"].onsets == 5 and whole["Dip"].firing_seconds > 40
+
+
+@pytest.mark.prometheus
+def test_a_node_that_stops_answering_pages_node_down(tmp_path):
+    """Issue 38: the format writes failed scrapes (`"up": 0`, or a gap in the records), so a reboot scores as
+    what it is in production: MemtelNodeDown pages."""
+    churn = load_timeline(CORPUS / "page-cache-churn.jsonl.gz")
+    head = [r for r in churn.records if r.time - churn.start < 60]
+    down = [Record(head[-1].time + 1 + i, {}, up=False) for i in range(80)]
+    gap = [replace(r, time=r.time + 300) for r in head]          # back after a 4-minute gap
+    reboot = replace(churn, name="reboot", records=tuple([*head, *down]))
+    rebooted = replace(churn, name="gap", records=tuple([*head, *gap]))
+    result = score([reboot, rebooted], default_rules())
+    assert sorted(result.alerts["MemtelNodeDown"].benign_fired) == [("gap", 180, 1), ("reboot", 20, 1)], \
+        result.alerts["MemtelNodeDown"]

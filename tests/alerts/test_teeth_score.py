@@ -101,6 +101,27 @@ def test_an_expectation_is_ok_when_it_fired_within_its_time(fired, detect_s, wit
     assert ExpectationResult("t", "A", fired, 1.0, detect_s, within_s).ok is ok
 
 
+def test_a_failure_that_must_page_is_not_caught_by_a_warning(tmp_path, monkeypatch):
+    """Issue 38: the timeline says the failure must page (severity critical); a warning that fires is a problem,
+    and without an alert named any critical alert counts."""
+    rules = tmp_path / "rules.yml"
+    rules.write_text(RULES)
+    death = line("death", 100, Outcome("failure", failure_at=T0 + 100, onset_at=T0 + 40, expect=(
+        Expectation("Warn", None, "critical"), Expectation(None, 30, "critical"), Expectation("Page", 10, "critical"))))
+    monkeypatch.setattr(score_module, "evaluate_all", lambda timelines, *_a, **_k: [Evaluation(death, {
+        "Warn": AlertRecord(41, 99, 58, 1, 41), "Page": AlertRecord(60, 99, 40, 1, 60)})])
+    result = score([death], [rules])
+    assert result.expectations == [
+        ExpectationResult("death", "Warn", True, 59, 1, None, "critical", "warning"),
+        ExpectationResult("death", "any critical alert", True, 40, 20, 30, "critical", None),
+        ExpectationResult("death", "Page", True, 40, 20, 10, "critical", "critical"),
+    ]
+    assert result.problems == ["Warn is a warning alert; death must be caught by a critical one",
+                               "Page caught death 20 s after the onset; expected within 10 s"]
+    assert "  death: Warn fired 1 s after the onset, 59 s before the failure: a warning, NOT A PAGE" in \
+        as_text(result).splitlines()
+
+
 def test_a_warning_on_a_benign_timeline_is_no_problem(tmp_path, monkeypatch):
     rules = tmp_path / "rules.yml"
     rules.write_text(RULES)
@@ -126,7 +147,8 @@ def test_the_json_says_everything_the_score_found(scored):
         "missed": [], "benign_fired": [{"timeline": "quiet", "firing_s": 3, "onsets": 2}]}
     assert list(data["alerts"]) == sorted(data["alerts"])
     assert data["expectations"][0] == {"timeline": "crash", "alert": "Page", "fired_before_failure": True,
-                                       "lead_s": 40, "detect_s": 20, "within_s": 30, "ok": True}
+                                       "lead_s": 40, "detect_s": 20, "within_s": 30, "severity": None,
+                                       "alert_severity": None, "ok": True}
     assert [e["ok"] for e in data["expectations"]] == [True, True, False, False, False]
 
 

@@ -115,3 +115,28 @@ def test_a_1_mb_series_name_is_cut_in_the_error(tmp_path):
     path = write(tmp_path / "t.jsonl", [{"time": T0, "values": {"bad name " + "x" * 1_000_000: 1}}])
     assert "is not a series name" in one_line_exit_2(path)
 
+
+
+def test_span_times_series_past_the_cap_is_refused_before_promtool(tmp_path):
+    """Issue 41: a timeline within every other cap (100,000 s, 10,000 series) ran promtool past 300 s or to a
+    MemoryError; its seconds x series are bounded too."""
+    records = [{"time": T0, "values": {f"s{j}": 1 for j in range(80)}}, record(T0 + 99_999)]
+    line = one_line_exit_2(write(tmp_path / "wide-and-long.jsonl", records))
+    assert "100,000 s x 82 series is 8,200,000 series-seconds; a timeline may hold at most 8,000,000" in line
+
+
+@pytest.mark.parametrize("record_line, message", [
+    ({"time": T0, "up": 2, "values": {}}, "up must be 1 (the node's scrape answered) or 0 (it failed), got 2"),
+    ({"time": T0, "up": 0, "values": {"a": 1}}, "a record with up 0 is a failed scrape and carries no values"),
+    ({"time": T0, "values": {"up": 0}}, "an `up` series names its target's job"),
+    ({"time": T0, "values": {'up{job="memtel-daemon"}': 0}}, "an `up` series names its target's job"),
+])
+def test_a_bad_scrape_record_is_one_line(tmp_path, record_line, message):
+    assert message in one_line_exit_2(write(tmp_path / "t.jsonl", [record_line]))
+
+
+def test_a_failed_scrape_and_a_hooks_up_load(tmp_path):
+    line = load_timeline(write(tmp_path / "t.jsonl", [
+        {"time": T0, "values": {'up{job="memtel-hook",instance="a:9400"}': 1}},
+        {"time": T0 + 1, "up": 0, "values": {}}]))
+    assert [r.up for r in line.records] == [True, False] and line.series == 1 and line.work == 2 * 2
