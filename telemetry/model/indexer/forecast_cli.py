@@ -7,12 +7,14 @@ flags, loads the snapshot and prints the table (or JSON).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from telemetry.catalogue.metrics import FORECAST_MAX_PREFILL_TOKENS
 from telemetry.errors import ConfigError
+from telemetry.model.allocsim.cap import CAPS, capped
 from telemetry.model.allocsim.snapshot import AllocatorState
 from telemetry.model.indexer.fit import MaxFit, max_prefill_tokens
 from telemetry.model.indexer.forecast import Forecast, forecast
@@ -67,6 +69,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="one more allocation of this many MiB per launch, freed at once")
     parser.add_argument("--capacity-gb", type=bounded_float(0, MAX_CAPACITY_GIB, above_minimum=True), default=None,
                         help="the device memory the allocator may reserve, in GiB (default: unlimited)")
+    parser.add_argument("--cap", choices=CAPS, default="device",
+                        help="how --capacity-gb stops the allocator, as in memtel tune: device (the memory runs out; "
+                             "the default) or fraction (torch's set_per_process_memory_fraction of the total memory, "
+                             "checked before each new segment; garbage_collection_threshold then acts)")
+    parser.add_argument("--total-memory-gb", type=bounded_float(0, MAX_CAPACITY_GIB, above_minimum=True),
+                        default=None, help="the device's total memory in GiB, of which --cap fraction is a fraction "
+                                           "(default: an H200's)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     add_snapshot_arguments(parser)
 
@@ -115,16 +124,29 @@ def run(args: argparse.Namespace) -> int:
         parse_alloc_conf(args.alloc_conf)
     pattern = LaunchPattern(keep_previous=args.keep_previous, transient_bytes=int(args.transient_mb * MIB))
     capacity = int(args.capacity_gb * GIB) if args.capacity_gb is not None else None
+    total = int(args.total_memory_gb * GIB) if args.total_memory_gb is not None else None
     state = load_allocator_state(args.snapshot, device=args.device, max_bytes=max_file_bytes(args),
                                  max_objects=args.max_objects, max_blocks=args.max_blocks)
-    results = [forecast(state, shape, n, mode=args.mode, alloc_conf=args.alloc_conf, pattern=pattern,
-                        capacity_bytes=capacity) for n in args.tokens or ()]
+    conf = args.alloc_conf
+    if args.cap == "fraction":
+        if capacity is None:
+            raise ConfigError("--cap fraction needs --capacity-gb X: the memory the fraction allows, in GiB")
+        own = args.alloc_conf if args.alloc_conf is not None else (state.alloc_conf or "")
+        if parse_alloc_conf(own).per_process_memory_fraction is not None:
+            raise ConfigError("--cap fraction: the settings already set per_process_memory_fraction; give the "
+                              "memory as --cap device, or that fraction's memory as --capacity-gb")
+        conf, capacity, total = capped(own, capacity, "fraction", total)
+    results = [forecast(state, shape, n, mode=args.mode, alloc_conf=conf, pattern=pattern,
+                        capacity_bytes=capacity, total_memory=total) for n in args.tokens or ()]
     fit = None
     if args.max_fit and capacity is not None:
-        fit = max_prefill_tokens(state, shape, limit_bytes=capacity, mode=args.mode, alloc_conf=args.alloc_conf,
-                                 pattern=pattern)
+        fit = max_prefill_tokens(state, shape, limit_bytes=capacity, mode=args.mode, alloc_conf=conf,
+                                 pattern=pattern, total_memory=total)
+        if args.cap == "fraction":   # the limit the fraction sets, not the device the simulator holds it in
+            fit = dataclasses.replace(fit, limit_bytes=int(args.capacity_gb * GIB))
     if args.json:
         doc: dict[str, Any] = {"snapshot": str(args.snapshot), "device": state.device, "shape": shape.as_dict(),
+                               "cap": args.cap,
                                "notes": list(state.notes), "forecasts": [f.as_json() for f in results]}
         if fit is not None:
             doc["max_fit"] = fit.as_json()

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from telemetry.errors import ConfigError
-from telemetry.model.allocsim.config import format_alloc_conf, parse_alloc_conf
-from telemetry.model.allocsim.simulator import DEFAULT_TOTAL_MEMORY
+from telemetry.model.allocsim.cap import CAPS, capped
+from telemetry.model.allocsim.config import parse_alloc_conf
 from telemetry.model.allocsim.snapshot import AllocatorState
 from telemetry.model.indexer.fit import MaxFit, max_prefill_tokens
 from telemetry.model.indexer.forecast import Forecast, simulate_prefill
@@ -45,7 +45,6 @@ from telemetry.model.tune.history import History, SimulatedOutOfMemoryError, rep
 from telemetry.model.tune.space import Expanded, Setting
 
 DEFAULT_TOP = 5
-CAPS = ("device", "fraction")
 
 
 @dataclass(frozen=True)
@@ -205,14 +204,8 @@ def _behaviour_key(problem: Problem, setting: Setting) -> tuple[Any, ...]:
 
 def simulated_limit(problem: Problem, alloc_conf: str) -> tuple[str, int, int | None]:
     """(allocator settings, capacity bytes, total memory) that make the simulator stop where `problem`'s cap
-    stops the allocator: the limit as the device's capacity, or as a per-process memory fraction of the total
-    memory (the device's; an H200's when unknown) with the device itself as the capacity."""
-    if problem.cap == "device":
-        return alloc_conf, problem.limit_bytes, problem.total_memory
-    total = problem.total_memory or DEFAULT_TOTAL_MEMORY
-    fraction = min(problem.limit_bytes / total, 1.0)
-    conf = dataclasses.replace(parse_alloc_conf(alloc_conf), per_process_memory_fraction=fraction)
-    return format_alloc_conf(conf), total, total
+    stops the allocator (telemetry/model/allocsim/cap.py)."""
+    return capped(alloc_conf, problem.limit_bytes, problem.cap, problem.total_memory)
 
 
 def same_conf(a: str, b: str) -> bool:
