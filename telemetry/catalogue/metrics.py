@@ -482,6 +482,10 @@ GUARD_BLIND = gauge(
     "memtel_guard_blind",
     "1 while the guard is blind: no fresh forecast from any hook, so --when-blind decides every completion request.",
     source="guard")
+GUARD_HOOKS_WITHOUT_GAUGE = gauge(
+    "memtel_guard_hooks_without_gauge",
+    "Hook exporters that answer without any forecast (their engine runs without it: the guard is blind for their "
+    "ranks); start the engine with the hook on a known engine or set MEMTEL_FORECAST_TOKENS.", source="guard")
 GUARD_BLIND_SECONDS = counter("memtel_guard_blind_seconds", "Seconds the guard has been blind since it started.",
                               source="guard")
 GUARD_BLIND_EPISODES = counter("memtel_guard_blind_episodes", "Times the guard became blind.", source="guard")

@@ -154,6 +154,7 @@ class GuardCollector(Collector):
         yield catalogue.GUARD_BLIND.new(1 if tracker.blind else 0)
         yield catalogue.GUARD_BLIND_SECONDS.new(tracker.blind_seconds_now(time.monotonic()))
         yield catalogue.GUARD_BLIND_EPISODES.new(tracker.blind_episodes)
+        yield catalogue.GUARD_HOOKS_WITHOUT_GAUGE.new(len(tracker.without_gauge()))
         failures = catalogue.GUARD_HOOK_SCRAPE_FAILURES.new()
         for hook in tracker.hooks:
             failures.add_metric([hook.target.url], hook.failures)
@@ -176,6 +177,7 @@ class GuardCollector(Collector):
         yield catalogue.GUARD_BLIND.new(1 if all(t.blind for t in trackers) else 0)
         yield catalogue.GUARD_BLIND_SECONDS.new(sum(t.blind_seconds_now(now) for t in trackers))
         yield catalogue.GUARD_BLIND_EPISODES.new(sum(t.blind_episodes for t in trackers))
+        yield catalogue.GUARD_HOOKS_WITHOUT_GAUGE.new(sum(len(t.without_gauge()) for t in trackers))
         failures = catalogue.GUARD_HOOK_SCRAPE_FAILURES.new()
         for tracker in trackers:
             for hook in tracker.hooks:

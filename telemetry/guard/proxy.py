@@ -1,20 +1,16 @@
-"""The guard's reverse proxy: size each completion's prompt, refuse what would not fit, pass the rest through.
+"""The guard's reverse proxy: each completion's prompt sized and decided by the admission core
+(telemetry/admission), the decision performed, the rest passed through.
 
-One asyncio event loop serves every client connection and the hooks' scrapes; a request costs no
-thread. `/v1/completions` and `/v1/chat/completions` are sized (telemetry/guard/prompt.py) and decided
-against the limit in force (telemetry/guard/limit.py): admitted requests go upstream unchanged and hold
-their tokens until the upstream sends the first byte of the response's body (the prefill is over); refused
-ones get an OpenAI-style error (telemetry/guard/refusal.py): 400 with `x-should-retry: false` for a prompt no
-retry can fit (over the engine's max-model-len, or over what the deployment could take at best), 503 with
-`Retry-After` and `x-should-retry: true` for one that does not fit now. The paths in `PASS_THROUGH` go upstream
-unchanged. Any other path is answered 404 here: an endpoint that runs a prefill the guard does not size
-(`/v1/embeddings`, SGLang's `/generate`) must not reach the engine around it.
+The proxy is three parts and this glue: the connection server (server.py: connections, framing, bounds), the
+upstream client (upstream.py: kept-alive connections, one exchange, a forward relayed as it arrives), and the core's
+decisions performed here (`_guarded`): CountFirst (the upstream's /tokenize), ReadModels (its /v1/models), Hold (the
+queue's thin waiter, queue.py), Forward (its tokens held until the answer's first byte: the prefill is over) and the
+refusals (refusal.py's OpenAI-style errors: 400 with `x-should-retry: false` for a prompt no retry can fit, 503 with
+`Retry-After` and `x-should-retry: true` for one that does not fit now).
 
-HTTP/1.1 on both sides goes through h11 (telemetry/guard/http.py): a request is read whole, checked for
-framing the upstream could read otherwise (`_check_framing`), decided, and sent upstream re-framed.
-Bounds (`GuardLimits`, docs/guard.md "Limits"): a number of client connections (past it, the one that has
-waited longest for its next request or for the rest of its request is closed), idle, read, request and send
-timeouts, a bounded head and body.
+`/v1/completions`, `/v1/chat/completions` and `/v1/responses` are sized (telemetry/admission/prompt.py). The paths
+in `PASS_THROUGH` go upstream unchanged. Any other path is answered 404 here: an endpoint that runs a prefill the
+guard does not size (`/v1/embeddings`, SGLang's `/generate`) must not reach the engine around it.
 """
 
 from __future__ import annotations
@@ -23,12 +19,22 @@ import asyncio
 import contextlib
 import json
 import logging
-import ssl
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from telemetry.admission.core import WHEN_BLIND, Admission, Prompt, Settings
+from telemetry.admission.decisions import CountFirst, Forward, Hold, ReadModels
+from telemetry.admission.prompt import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    RESPONSES,
+    PromptError,
+    PromptSize,
+    measure,
+    parse_body,
+)
+from telemetry.admission.readings import MAX_PREFILL, NO_GAUGE_HINT
+from telemetry.admission.refusal import MAX_MODELS_BYTES, MODELS_PATH, RETRY_AFTER_S, Refusal, error_body, parse_models
 from telemetry.catalogue import metrics as catalogue
 from telemetry.catalogue.fields import (
     GUARD_BAD_REQUEST,
@@ -38,129 +44,33 @@ from telemetry.catalogue.fields import (
     GUARD_UPSTREAM_UNAVAILABLE,
 )
 from telemetry.errors import ConfigError
-from telemetry.guard.admission import admit
-from telemetry.guard.at_best import AtBest, deployment_at_best
-from telemetry.guard.http import (
-    Channel,
-    ClientSide,
-    HttpError,
-    Request,
-    Response,
-    ServerSide,
-    UpstreamClosed,
-    UpstreamError,
-    end_to_end,
-    open_channel,
-)
+from telemetry.guard.bounds import GuardLimits
+from telemetry.guard.http import HttpError, Request, ServerSide, UpstreamError
 from telemetry.guard.limit import LimitTracker, fetch_metrics
 from telemetry.guard.metrics import GuardMetrics
-from telemetry.guard.prompt import CHAT_COMPLETIONS, COMPLETIONS, PromptError, PromptSize, measure, parse_body
-from telemetry.guard.queue import ClientLeft, GuardQueue, QueueFull, needed, transient
-from telemetry.guard.refusal import MODELS_PATH, RETRY_AFTER_S, ContextLength, Refusal, behind, error_body
+from telemetry.guard.queue import Waiters, now
+from telemetry.guard.server import ConnectionServer
+from telemetry.guard.upstream import JSON, Replica, Unreachable, UpstreamClient, answer
 from telemetry.url import Endpoint
 
 log = logging.getLogger("memtel.guard")
 
-GUARDED = (COMPLETIONS, CHAT_COMPLETIONS)
+GUARDED = (COMPLETIONS, CHAT_COMPLETIONS, RESPONSES)
 # Paths that run no prefill, passed through unchanged (GET also answers HEAD).
 PASS_THROUGH = {"GET": ("/v1/models", "/health", "/ping", "/version", "/metrics", "/get_model_info"),
                 "POST": ("/tokenize", "/detokenize")}
 MODEL_PATH_PREFIX = "/v1/models/"
-WHEN_BLIND = ("admit", "reject")
-_JSON = "application/json"
-LINGER_S = 2.0
-LINGER_BYTES = 128 << 20
+MODELS_TIMEOUT_S = 2.0
+# The header a relayed /health answer carries while a replica's hooks answer without the forecast (docs/guard.md).
+BLIND_HEADER = "x-memtel-guard-blind"
 # Bodies larger than this are parsed and counted in a worker thread, so a 64 MiB body (most of a second of
 # JSON parsing) does not stop the event loop that serves every other connection and stream for that long.
 # Smaller ones, a 1M-token prompt included (4 to 8 MB, 30 to 60 ms here), are parsed on the loop: handing
 # them to a thread made the 1M-token refusal about 25 ms slower at the median (BENCHMARKS.md, "memtel guard").
 INLINE_PARSE_BYTES = 8 << 20
-BLIND_ROOM = 1 << 62  # the queue's room while blind with --when-blind admit: every waiter is decided again
 # What a body that cannot be parsed raises besides PromptError: a 5,000-digit integer is a ValueError of
 # int()'s digit limit, deep nesting a RecursionError. Each is the client's error: a 400, never a traceback.
 _BODY_ERRORS = (PromptError, ValueError, TypeError, RecursionError, MemoryError)
-
-
-@dataclass(frozen=True)
-class GuardLimits:
-    max_connections: int = 256
-    idle_timeout_s: float = 90.0  # a client connection without a request
-    request_timeout_s: float = 60.0  # from a request's first byte to its body's last (a 64 MiB body on a slow link)
-    read_timeout_s: float = 10.0  # inside a request, the longest wait for the client's next bytes
-    send_timeout_s: float = 60.0  # the longest a client may take nothing of an answer before it is dropped
-    max_head_bytes: int = 16384
-    max_body_bytes: int = 64 << 20  # a 1M-token prompt is 4 to 8 MB of JSON
-    connect_timeout_s: float = 10.0  # to the upstream
-    max_idle_upstream: int = 32  # kept-alive upstream connections
-    queue_s: float = 0.0  # the longest a prompt that does not fit now waits for room (0: 503 at once)
-    max_queued: int = 32  # waiting at most (each holds its body once: at most max_body_bytes)
-
-
-class _UpstreamPool:
-    """Kept-alive connections to the upstream, each reused only after an exchange h11 saw finish cleanly."""
-
-    def __init__(self, upstream: Endpoint, limits: GuardLimits) -> None:
-        self.upstream = upstream
-        self.limits = limits
-        self._idle: list[ClientSide] = []
-        self._ssl = ssl.create_default_context() if upstream.tls else None
-
-    async def get(self) -> tuple[ClientSide, bool]:
-        """A connection, and whether it was kept alive from an earlier exchange."""
-        while self._idle:
-            side = self._idle.pop()
-            side.channel.idle = False
-            if not side.channel.closed:  # a byte or EOF while it was idle has closed it
-                return side, True
-        return await self.connect(), False
-
-    async def connect(self) -> ClientSide:
-        channel = await open_channel(self.upstream.host, self.upstream.port, self._ssl, self.limits.connect_timeout_s)
-        return ClientSide(channel, self.limits.max_head_bytes)
-
-    def put(self, side: ClientSide) -> None:
-        """Keep `side` for the next exchange if h11 says its last one ended cleanly; else close it."""
-        if len(self._idle) < self.limits.max_idle_upstream and side.reusable():
-            side.channel.idle = True
-            self._idle.append(side)
-        else:
-            side.channel.close()
-
-    def close(self) -> None:
-        for side in self._idle:
-            side.channel.close()
-        self._idle.clear()
-
-
-class Replica:
-    """One engine behind the guard: its upstream, its ranks' limit, its connections, its health."""
-
-    def __init__(self, upstream: Endpoint, tracker: LimitTracker, limits: GuardLimits) -> None:
-        self.upstream = upstream
-        self.tracker = tracker
-        self.name = upstream.url
-        self.pool = _UpstreamPool(upstream, limits)
-        self.context = ContextLength()  # the engine's max-model-len, read when a prompt is over the limit
-        self.healthy = True  # its /health answered 200 last time (polled only with two or more replicas)
-        self.health_error: str | None = None
-
-
-class _Client:
-    __slots__ = ("channel", "task", "waiting_since")
-
-    def __init__(self, channel: Channel) -> None:
-        self.channel = channel
-        # Since when it has been waiting for its next request or reading one (head or body); None while the
-        # guard handles a request it read whole. The one waiting longest is evicted first.
-        self.waiting_since: float | None = time.monotonic()
-        self.task: asyncio.Task[None] | None = None
-
-
-_Refusal = Refusal  # status, OpenAI error body, Retry-After and x-should-retry (refusal.py)
-
-
-class _Unreachable(Exception):
-    """The chosen replica refused the connection (str: why): nothing was sent to it, so another may take it."""
 
 
 class GuardProxy:
@@ -176,128 +86,33 @@ class GuardProxy:
         self.limits = limits or GuardLimits()
         self.replicas = [Replica(u, t, self.limits) for u, t in (replicas or [(upstream, tracker)])]
         first = self.replicas[0]
-        self.upstream, self.tracker, self._pool, self.context = first.upstream, first.tracker, first.pool, first.context
-        self._turn = 0  # breaks ties between replicas with the same room, in turn
-        self.queue = GuardQueue(self.limits.queue_s, self.limits.max_queued, metrics, self._rooms,
-                                self._at_best_tokens)
+        self.upstream, self.tracker = first.upstream, first.tracker
+        self.core = Admission(self.replicas, Settings(when_blind, self.limits.queue_s, self.limits.max_queued))
+        self.queue = self.core.line  # its settings (queue_s, pass_s, max_queued) and its waiters
+        self.waiters = Waiters(self.core, metrics)
         for replica in self.replicas:
-            replica.tracker.subscribe(self.queue.kick)
-        self._clients: set[_Client] = set()
-        self._refusing: set[asyncio.Future[None]] = set()  # answering 503 to connections past the bound
-        self._server: asyncio.base_events.Server | None = None
+            replica.tracker.subscribe(self.waiters.kick)
+        self.server = ConnectionServer(self.limits, metrics, self._handle)
+        self.client = UpstreamClient(self.limits, metrics)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self, host: str, port: int) -> int:
         """Listen; the port actually bound (port 0 picks one)."""
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: Channel(self._accept), host, port, backlog=1024,
-                                                reuse_address=True)
-        return int(self._server.sockets[0].getsockname()[1])
+        return await self.server.start(host, port)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            tasks = [c.task for c in self._clients if c.task is not None]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        await self.server.stop()
         for replica in self.replicas:
             replica.pool.close()
         await asyncio.sleep(0)  # the closed transports' connection_lost (which closes their sockets) runs now
 
     @property
     def open_connections(self) -> int:
-        return len(self._clients)
+        return self.server.open_connections
 
-    # -- one client connection ------------------------------------------------------------------------
-    def _accept(self, channel: Channel) -> None:
-        if len(self._clients) >= self.limits.max_connections and not self._evict_waiting():
-            self.metrics.count(catalogue.GUARD_CONNECTIONS, "refused")
-            task = asyncio.ensure_future(self._too_many(channel))
-            self._refusing.add(task)
-            task.add_done_callback(self._refusing.discard)
-            return
-        client = _Client(channel)
-        self._clients.add(client)
-        client.task = asyncio.ensure_future(self._serve_client(client))
-
-    async def _too_many(self, channel: Channel) -> None:
-        side = ServerSide(channel, self.limits.max_head_bytes)
-        with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError, HttpError):
-            await side.respond(503, [("Content-Type", "text/plain"), ("Connection", "close")],
-                               b"memtel guard: too many connections\n", self.limits.send_timeout_s)
-        channel.close()
-
-    async def _serve_client(self, client: _Client) -> None:
-        limits = self.limits
-        side = ServerSide(client.channel, limits.max_head_bytes)
-        try:
-            while True:
-                client.waiting_since = time.monotonic()
-                request = await side.next_request(limits.idle_timeout_s, limits.read_timeout_s,
-                                                  limits.request_timeout_s)
-                if request is None:
-                    break
-                started = time.perf_counter()
-                self._check_framing(request)
-                body = await side.read_body(limits.max_body_bytes, limits.read_timeout_s, limits.send_timeout_s)
-                client.waiting_since = None
-                await self._handle(request, body, side, started)
-                if not side.next_cycle():
-                    break
-        except HttpError as exc:
-            self.metrics.count(catalogue.GUARD_REJECTED, "bad_request")
-            if side.answering:
-                await self._answer(side, exc.status, error_body(GUARD_BAD_REQUEST, str(exc), exc.status), close=True)
-            # A lingering close: read (and drop) what the client is still sending for a moment, so it reads
-            # the answer instead of a reset (RFC 9112 section 9.6).
-            with contextlib.suppress(ConnectionError, OSError):
-                await client.channel.discard(LINGER_BYTES, LINGER_S)
-        except asyncio.TimeoutError:
-            if side.mid_request and side.answering:  # a slow head or body, not an idle keep-alive connection
-                self.metrics.count(catalogue.GUARD_REJECTED, "bad_request")
-                message = (f"the request did not arrive in time: at most {limits.read_timeout_s:g} s between its "
-                           f"bytes and {limits.request_timeout_s:g} s in all")
-                await self._answer(side, 408, error_body(GUARD_BAD_REQUEST, message, 408), close=True)
-        except (ConnectionError, OSError):
-            pass
-        except asyncio.CancelledError:  # the guard is stopping
-            pass
-        except Exception as exc:  # one bad connection must never stop the guard
-            log.exception("memtel guard: a connection failed: %s: %s", type(exc).__name__, exc)
-        finally:
-            self._clients.discard(client)
-            client.channel.close()
-
-    def _evict_waiting(self) -> bool:
-        """Close the connection that has waited longest for its next request or for the rest of its request
-        (a slow head or a slow body); False when every connection has a request in hand."""
-        waiting = [c for c in self._clients if c.waiting_since is not None]
-        if not waiting:
-            return False
-        victim = min(waiting, key=lambda c: c.waiting_since or 0.0)
-        self._clients.discard(victim)
-        victim.channel.close()
-        self.metrics.count(catalogue.GUARD_CONNECTIONS, "evicted")
-        return True
-
-    def _check_framing(self, request: Request) -> None:
-        """Refuse what an upstream could frame otherwise than h11 did, and bodies the guard would not take."""
-        has_length, chunked = request.has("content-length"), request.has("transfer-encoding")
-        if has_length and chunked:
-            raise HttpError(400, "the request has both Content-Length and Transfer-Encoding; send one")
-        length = request.get("content-length")
-        if request.method in ("GET", "HEAD") and (chunked or (length and int(length) > 0)):
-            raise HttpError(400, f"a {request.method} request must not carry a body")
-        if length and int(length) > self.limits.max_body_bytes:
-            raise HttpError(413, f"request body of {length} bytes is larger than the guard's limit of "
-                                 f"{self.limits.max_body_bytes} bytes")
-        encoding = request.get("content-encoding").strip().lower()
-        if encoding not in ("", "identity"):
-            raise HttpError(415, f"request bodies with Content-Encoding {encoding[:40]!r} are not accepted; "
-                                 "send the body uncompressed")
+    @property
+    def _server(self) -> asyncio.base_events.Server | None:
+        return self.server._server
 
     # -- one request ----------------------------------------------------------------------------------
     async def _handle(self, request: Request, body: bytes, client: ServerSide, started: float) -> None:
@@ -318,10 +133,20 @@ class GuardProxy:
                 (method == "POST" and path in PASS_THROUGH["POST"]):
             self.metrics.count(catalogue.GUARD_PASSED_THROUGH)
             replica = next((r for r in self.replicas if r.healthy), self.replicas[0])
-            return await self._forward(replica, request, body, client, started, None)
+            extra = self._without_gauge_header() if path == "/health" else ()
+            return await self.client.forward(replica, request, body, client, started, None, extra=extra)
         known = ", ".join([*GUARDED, *gets, *PASS_THROUGH["POST"]])
         return await self._refuse_path(client, 404, f"{method} {path[:100]} is not forwarded by the memtel guard "
                                                     f"(it forwards {known})")
+
+    def _without_gauge_header(self) -> tuple[tuple[str, str], ...]:
+        """While a hook answers without the forecast, /health says so (the status stays the engine's: a load
+        balancer must not take a serving engine out for it)."""
+        hooks = [url for r in self.replicas for url in r.tracker.without_gauge()]
+        if not hooks:
+            return ()
+        return ((BLIND_HEADER, f"{len(hooks)} hook(s) export no {MAX_PREFILL}, e.g. {hooks[0]}: "
+                               f"{NO_GAUGE_HINT}"),)
 
     async def _refuse_path(self, client: ServerSide, status: int, message: str) -> None:
         self.metrics.count(catalogue.GUARD_REJECTED, "not_forwarded")
@@ -337,132 +162,121 @@ class GuardProxy:
             self.metrics.count(catalogue.GUARD_REJECTED, "bad_request")
             await self._answer(client, 400, error_body(GUARD_BAD_REQUEST, _body_error(exc), 400))
             return
-        # With several replicas, one that cannot be reached (nothing was sent to it) leaves the pool at once and the
-        # prompt is decided again among the others: it goes where it fits, waits, or gets the transient 503.
-        for _attempt in range(len(self.replicas)):
-            try:
-                replica, held, counted_by = await self._admit(request, size, client)
-            except _Refusal as refusal:
-                if refusal.counted_as is not None:
-                    self.metrics.count(catalogue.GUARD_REJECTED, refusal.counted_as)
+        prompt = Prompt(size)
+        tried = 0
+        while True:
+            decision = self.core.decide(prompt, now())
+            if isinstance(decision, CountFirst):
+                await self._count(decision, request, prompt)
+                continue
+            if isinstance(decision, ReadModels):
+                await self._read_models(_ours(decision.replica), request)
+                continue
+            if isinstance(decision, Hold):
+                if not await self.waiters.wait(prompt, decision, client.channel.gone()):
+                    raise ConnectionResetError("the client left while its request waited")
+                continue
+            if not isinstance(decision, Forward):  # a refusal
+                self.waiters.ended(decision.queue_outcome, decision.waited_s)
+                if decision.counted_as is not None:
+                    self.metrics.count(catalogue.GUARD_REJECTED, decision.counted_as)
+                if decision.reason is None and decision.counted_as == "blind":
+                    self.metrics.count(catalogue.GUARD_BLIND_DECISIONS, "reject")
                 self.metrics.observe_added(time.perf_counter() - started)
-                await self._answer(client, refusal.status, refusal.body, refusal.headers)
+                await self._answer(client, decision.status, decision.body, decision.headers)
                 return
-            self.metrics.count(catalogue.GUARD_ADMITTED, path, counted_by)
-            released = False
-
-            def release(replica: Replica = replica, held: int = held) -> None:
-                nonlocal released
-                if not released:
-                    released = True
-                    replica.tracker.release(held)
-
-            try:
-                await self._forward(replica, request, raw, client, started, release,
-                                    unreachable_raises=len(self.replicas) > 1)
+            self.waiters.ended(decision.queue_outcome, decision.waited_s)
+            if decision.counted_by == "blind":
+                self.metrics.count(catalogue.GUARD_BLIND_DECISIONS, "admit")
+            self.metrics.count(catalogue.GUARD_ADMITTED, path, decision.counted_by)
+            if await self._forward(decision, request, raw, client, started):
                 return
-            except _Unreachable as down:
-                self._leave_pool(replica, str(down))
-            finally:
-                release()
-        none_left = self._no_replica()  # every replica was tried and refused the connection
-        self.metrics.count(catalogue.GUARD_REJECTED, "no_replica")
-        await self._answer(client, none_left.status, none_left.body, none_left.headers)
+            tried += 1  # the replica refused the connection: it left the pool; decided again among the others
+            if tried >= len(self.replicas):
+                none_left = self.core.no_replica()  # every replica was tried and refused the connection
+                self.metrics.count(catalogue.GUARD_REJECTED, "no_replica")
+                await self._answer(client, none_left.status, none_left.body, none_left.headers)
+                return
 
-    async def _admit(self, request: Request, size: PromptSize, client: ServerSide) -> tuple[Replica, int, str]:
-        """Decide now, or queue a transient refusal when --queue-s is set: (replica, tokens held, counted by)."""
+    async def _forward(self, forward: Forward, request: Request, raw: bytes, client: ServerSide,
+                       started: float) -> bool:
+        """Perform a Forward; False when its replica refused the connection (it left the pool)."""
+        replica = _ours(forward.replica)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.core.release(forward, now())
+                replica.tracker.notify()
+
         try:
-            replica, held, counted_by = await self._decide(request, size)
-            if self.queue.enabled and self.queue.blocked() and (limit := replica.tracker.published) is not None:
-                replica.tracker.release(held)  # the queue's order rule: behind the head that waited its turn
-                raise behind(held, counted_by, limit)
-        except _Refusal as refusal:
-            if not (self.queue.enabled and transient(refusal)):
-                raise
-            replica, held, counted_by = await self._wait(request, size, refusal, client)
-        return replica, held, counted_by
+            await self.client.forward(replica, request, raw, client, started, release,
+                                      unreachable_raises=len(self.replicas) > 1)
+            return True
+        except Unreachable as down:
+            released = True
+            if self.core.unreachable(forward, str(down), now()):
+                log.warning("memtel guard: replica %s leaves the pool: %s", replica.name, down)
+            replica.tracker.notify()
+            return False
+        finally:
+            release()
 
-    def _leave_pool(self, replica: Replica, reason: str) -> None:
-        """A replica that refused a connection or failed its /health poll leaves the pool now; a /health poll
-        answered 200 brings it back."""
-        if replica.healthy:
-            log.warning("memtel guard: replica %s leaves the pool: %s", replica.name, reason)
-        replica.healthy, replica.health_error = False, reason
-
-    async def _wait(self, request: Request, size: PromptSize, refusal: _Refusal,
-                    client: ServerSide) -> tuple[Replica, int, str]:
-        """Queue a prompt refused as transient until it is admitted (queue.py); the last refusal at the deadline,
-        the first when the queue is full; ConnectionResetError when the client leaves (its connection closes)."""
-        waited = time.monotonic()
+    async def _count(self, decision: CountFirst, request: Request, prompt: Prompt) -> None:
+        """Perform a CountFirst: the upstream's exact count, or its answer (relayed where it matters)."""
+        replica = _ours(decision.replica)
+        body = json.dumps(decision.body, ensure_ascii=False).encode()
+        headers = _credentials(request)
+        headers.append(("Content-Type", JSON))
+        self.metrics.count(catalogue.GUARD_TOKENIZE_CALLS)
         try:
-            return await self.queue.wait(refusal, needed(refusal, 0), client.channel.gone(),
-                                         lambda: self._decide(request, size))
-        except QueueFull:
-            refusal.body["error"]["queue"] = f"full: {self.queue.max_queued} requests wait (--max-queued)"
-            raise refusal from None
-        except ClientLeft:
-            raise ConnectionResetError("the client left while its request waited") from None
-        except _Refusal as last:
-            if transient(last):
-                seconds = time.monotonic() - waited
-                last.body["error"]["queued_s"] = round(seconds, 3)
-                last.body["error"]["message"] += f" (after waiting {seconds:.1f} s in the guard's queue)"
-            raise
-
-    async def _decide(self, request: Request, size: PromptSize) -> tuple[Replica, int, str]:
-        """(the replica, tokens held while the prefill runs, how they were counted); _Refusal to refuse."""
-        replica = self._choose()
-        auth = [(k, v) for k, v in request.headers if k.lower() in ("authorization", "x-api-key")]
-        reasons: list[str] = []
+            status, data = await self.client.exchange(replica, "POST", "/tokenize", headers, body)
+        except (OSError, asyncio.TimeoutError, UpstreamError, HttpError) as exc:
+            self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "tokenize")
+            prompt.not_counted(Refusal(502, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"memtel guard: the upstream could "
+                                                       f"not count the prompt's tokens (/tokenize): {exc}", 502)))
+            return
+        count = None
+        if status == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                count = json.loads(data).get("count")
+        if status == 200 and isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            prompt.counted(count)
+            return
         try:
-            held, counted_by = await admit(
-                size, replica.tracker, replica.context, tokenize=lambda: self._tokenize(replica, request, size),
-                fetch_models=lambda: self._exchange(replica, "GET", MODELS_PATH, auth, b""),
-                blind=lambda: self._blind_admit(replica), rejected=reasons.append, at_best=self._at_best)
-        except _Refusal as refusal:
-            refusal.counted_as = reasons[-1] if reasons else None
-            raise
-        return replica, held, counted_by
+            relayed = json.loads(data)
+        except ValueError:
+            relayed = None
+        if not isinstance(relayed, dict):
+            relayed = error_body(GUARD_UPSTREAM_ERROR, f"memtel guard: the upstream's /tokenize answered {status} "
+                                 "without a token count", 502)
+        prompt.not_counted(Refusal(status if status != 200 else 502, relayed, None))
 
-    def _no_replica(self) -> _Refusal:
-        why = "; ".join(f"{r.name}: {r.health_error}" for r in self.replicas)
-        refusal = _Refusal(503, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"memtel guard: no replica is healthy now "
-                                          f"({why})", 503, reason="no_replica", retryable=True),
-                           RETRY_AFTER_S["no_replica"], reason="no_replica")
-        refusal.counted_as = "no_replica"
-        return refusal
+    async def _read_models(self, replica: Replica, request: Request) -> None:
+        """Perform a ReadModels: one read of the replica's /v1/models at a time; the others wait for it."""
+        if replica.models_reading is None:
+            replica.models_reading = asyncio.ensure_future(self._models(replica, _credentials(request)))
+        reading = replica.models_reading
+        await asyncio.shield(reading)  # a client that goes away does not cancel the others' read
+        if replica.models_reading is reading:
+            replica.models_reading = None
 
-    def _choose(self) -> Replica:
-        """The replica a completion goes to: of those in the pool (healthy, a fresh limit), the one with the most
-        room (ties in turn); none in the pool but some healthy: the first of those (blind: --when-blind decides);
-        none healthy: a transient refusal (it may wait)."""
-        if len(self.replicas) == 1:
-            return self.replicas[0]
-        healthy = [r for r in self.replicas if r.healthy]
-        if not healthy:
-            raise self._no_replica()
-        sized = [(limit.tokens, r) for r in healthy if (limit := r.tracker.limit()) is not None]
-        if not sized:
-            return healthy[0]
-        most = max(tokens for tokens, _r in sized)
-        tied = [r for tokens, r in sized if tokens == most]
-        self._turn += 1
-        return tied[self._turn % len(tied)]
-
-    def _rooms(self) -> list[tuple[int, int]]:
-        """The tokens each replica in the pool can take now and with nothing in prefill (the queue's view). Blind
-        with --when-blind admit (no replica in the pool, one healthy): room for all, so the waiters are decided
-        (and admitted) as a newcomer would be."""
-        found = [(limit.tokens, limit.rank_tokens) for r in self.replicas
-                 if r.healthy and (limit := r.tracker.limit()) is not None]
-        if not found and self.when_blind == "admit" and any(r.healthy for r in self.replicas):
-            return [(BLIND_ROOM, BLIND_ROOM)]
-        return found
+    async def _models(self, replica: Replica, headers: list[tuple[str, str]]) -> None:
+        found = None
+        try:
+            status, data = await asyncio.wait_for(self.client.exchange(replica, "GET", MODELS_PATH, headers, b""),
+                                                  MODELS_TIMEOUT_S)
+            if status == 200 and len(data) <= MAX_MODELS_BYTES:
+                found = parse_models(data)
+        except Exception:  # unknown max-model-len: the refusal is transient, never a failure of its own
+            found = None
+        self.core.models_read(replica, found, now())
 
     def _why_blind(self) -> str:
-        if len(self.replicas) == 1:
-            return self.tracker.why_blind()
-        return "; ".join(f"{r.name}: {r.tracker.why_blind()}" for r in self.replicas)
+        current = now()
+        return self.core.pool.why_blind(current.monotonic, current.wall)
 
     async def watch_health(self, poll_s: float, timeout_s: float) -> None:
         """Poll every replica's /health every `poll_s`: one that fails leaves the pool, and comes back when it
@@ -473,168 +287,31 @@ class GuardProxy:
             try:
                 await fetch_metrics(target, timeout_s)
             except (OSError, asyncio.TimeoutError, UpstreamError) as exc:
-                error: str | None = f"/health: {type(exc).__name__}: {exc}"[:200]
-            else:
-                error = None
-            if error is not None:
-                self._leave_pool(replica, error)
+                if self.core.pool.leave(replica, f"/health: {type(exc).__name__}: {exc}"[:200]):
+                    log.warning("memtel guard: replica %s leaves the pool: %s", replica.name, replica.health_error)
                 return
-            if not replica.healthy:
+            if self.core.pool.back(replica):
                 log.warning("memtel guard: replica %s is healthy again: back in the pool", replica.name)
-            replica.healthy, replica.health_error = True, None
-            self.queue.kick()
+            self.waiters.kick()
 
         while True:
             started = time.monotonic()
             await asyncio.gather(*(one(r, t) for r, t in zip(self.replicas, targets, strict=True)))
             await asyncio.sleep(max(0.0, poll_s - (time.monotonic() - started)))
 
-    def _at_best(self) -> tuple[AtBest | None, str | None]:
-        """The deployment's at-best limit (the best replica's, known only where every replica's is) and why not."""
-        return deployment_at_best([r.tracker for r in self.replicas])
-
-    def _at_best_tokens(self) -> int | None:
-        found = self._at_best()[0]
-        return None if found is None else found.tokens
-
-    def _blind_admit(self, replica: Replica) -> tuple[int, str]:
-        """Blind: --when-blind decides; an admitted one is in flight on `replica` like any other (its release
-        comes with its first byte), so a snapshot meanwhile is not taken for an idle rank's (at_best.py)."""
-        decided = self._blind()
-        replica.tracker.hold(0)
-        return decided
-
-    def _blind(self) -> tuple[int, str]:
-        if self.when_blind == "admit":
-            self.metrics.count(catalogue.GUARD_BLIND_DECISIONS, "admit")
-            return 0, "blind"
-        self.metrics.count(catalogue.GUARD_BLIND_DECISIONS, "reject")
-        self.metrics.count(catalogue.GUARD_REJECTED, "blind")
-        message = ("the memtel guard is blind (no fresh forecast from any hook) and refuses requests until it sees "
-                   f"again (--when-blind reject): {self._why_blind()}")
-        raise _Refusal(503, error_body(GUARD_BLIND, message, 503, hooks=[h.target.url for r in self.replicas
-                                                                         for h in r.tracker.hooks]),
-                       RETRY_AFTER_S["blind"])
-
-    async def _tokenize(self, replica: Replica, request: Request, size: PromptSize) -> int:
-        """The upstream's exact count; an answer other than a count is relayed to the client as a _Refusal."""
-        assert size.tokenize_body is not None
-        body = json.dumps(size.tokenize_body, ensure_ascii=False).encode()
-        headers = [(k, v) for k, v in request.headers if k.lower() in ("authorization", "x-api-key")]
-        headers.append(("Content-Type", _JSON))
-        self.metrics.count(catalogue.GUARD_TOKENIZE_CALLS)
-        try:
-            status, answer = await self._exchange(replica, "POST", "/tokenize", headers, body)
-        except (OSError, asyncio.TimeoutError, UpstreamError, HttpError) as exc:
-            self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "tokenize")
-            raise _Refusal(502, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"memtel guard: the upstream could not "
-                                           f"count the prompt's tokens (/tokenize): {exc}", 502), None) from None
-        count = None
-        if status == 200:
-            with contextlib.suppress(ValueError, AttributeError):
-                count = json.loads(answer).get("count")
-        if status != 200 or not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            try:
-                relayed = json.loads(answer)
-            except ValueError:
-                relayed = None
-            if not isinstance(relayed, dict):
-                relayed = error_body(GUARD_UPSTREAM_ERROR, f"memtel guard: the upstream's /tokenize answered "
-                                     f"{status} without a token count", 502)
-            raise _Refusal(status if status != 200 else 502, relayed, None)
-        return int(count) + size.counted_tokens
-
-    async def _exchange(self, replica: Replica, method: str, path: str, headers: list[tuple[str, str]],
-                        body: bytes) -> tuple[int, bytes]:
-        """One request to the upstream, its whole answer read (for /tokenize: a few MB at most)."""
-        headers = [("Host", replica.upstream.host_port), *headers]
-        side, reused = await replica.pool.get()
-        try:
-            side, response = await self._send(replica, side, reused, method, path, headers, body)
-            answer = await side.read_all(self.limits.max_body_bytes)
-        except BaseException:
-            side.channel.close()
-            raise
-        replica.pool.put(side)
-        return response.status, answer
-
-    async def _send(self, replica: Replica, side: ClientSide, reused: bool, method: str, target: str,
-                    headers: list[tuple[str, str]], body: bytes) -> tuple[ClientSide, Response]:
-        """Send the request and read the answer's head; on a kept-alive connection the upstream had closed,
-        once more on a fresh one. (the connection used, the response head)"""
-        try:
-            await side.send_request(method, target, headers, body, self.limits.send_timeout_s)
-            return side, await side.response()
-        except (UpstreamClosed, ConnectionError):
-            side.channel.close()
-            if not reused:
-                raise
-        side = await replica.pool.connect()
-        try:
-            await side.send_request(method, target, headers, body, self.limits.send_timeout_s)
-            return side, await side.response()
-        except BaseException:
-            side.channel.close()
-            raise
-
-    async def _forward(self, replica: Replica, request: Request, body: bytes, client: ServerSide, started: float,
-                       first_byte: Callable[[], None] | None, *, unreachable_raises: bool = False) -> None:
-        """Send the request upstream re-framed, relay the answer; the upstream connection is pooled again
-        only when the whole answer was read and reached the client. An upstream that cannot be reached is a 502,
-        or _Unreachable (nothing sent anywhere yet) with `unreachable_raises`."""
-        headers = [("Host", replica.upstream.host_port), *end_to_end(request.headers)]
-        try:
-            side, reused = await replica.pool.get()
-        except (OSError, asyncio.TimeoutError) as exc:
-            self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "connect")
-            reason = getattr(exc, "strerror", None) or type(exc).__name__
-            if unreachable_raises:
-                raise _Unreachable(f"cannot connect: {reason}") from None
-            await self._answer(client, 502, error_body(GUARD_UPSTREAM_UNAVAILABLE,
-                                                       f"memtel guard: cannot reach the upstream {replica.name}: "
-                                                       f"{reason}", 502))
-            return
-        self.metrics.count(catalogue.GUARD_REPLICA_FORWARDED, replica.name)
-        self.metrics.observe_added(time.perf_counter() - started)
-        try:
-            side, response = await self._send(replica, side, reused, request.method, request.target, headers, body)
-        except (OSError, asyncio.TimeoutError, UpstreamError, HttpError) as exc:
-            side.channel.close()
-            self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "request")
-            await self._answer(client, 502, error_body(GUARD_UPSTREAM_UNAVAILABLE,
-                                                       f"memtel guard: the upstream {replica.name} did not "
-                                                       f"answer: {type(exc).__name__}: {exc}", 502), close=True)
-            return
-        send_s = self.limits.send_timeout_s
-        whole = False
-        try:
-            client.start(response.status, response.reason, response.relayed_headers())
-            async for piece in side.body():
-                if first_byte is not None:
-                    first_byte()
-                    first_byte = None
-                await client.send(piece, send_s)
-            await client.end(send_s)
-            whole = True
-        except UpstreamError:
-            # Mid-body: the head is out, so the client learns of it by the connection closing.
-            self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "body")
-        except (OSError, asyncio.TimeoutError, HttpError):
-            pass  # the client went away (or took nothing for send_timeout_s): closing upstream aborts the request
-        finally:
-            if whole:
-                replica.pool.put(side)
-            else:
-                side.channel.close()  # a streaming engine aborts the request when its connection closes
-
     async def _answer(self, client: ServerSide, status: int, payload: dict[str, Any],
                       extra: tuple[tuple[str, str], ...] = (), *, close: bool = False) -> None:
-        data = json.dumps(payload).encode() + b"\n"
-        headers = [("Content-Type", _JSON), *extra]
-        if close:
-            headers.append(("Connection", "close"))
-        with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError, HttpError):
-            await client.respond(status, headers, data, self.limits.send_timeout_s)
+        await answer(client, status, payload, self.limits.send_timeout_s, extra, close=close)
+
+
+def _ours(replica: object) -> Replica:
+    """The core hands back the replicas it was given: the guard's own."""
+    assert isinstance(replica, Replica)
+    return replica
+
+
+def _credentials(request: Request) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in request.headers if k.lower() in ("authorization", "x-api-key")]
 
 
 def _measure_all(path: str, raw: bytes) -> PromptSize:
@@ -651,4 +328,5 @@ def _body_error(exc: BaseException) -> str:
     return f"malformed JSON in the request body: {what}; expected a JSON object"  # int()'s advice is not the client's
 
 
-__all__ = ["GUARDED", "PASS_THROUGH", "WHEN_BLIND", "GuardLimits", "GuardProxy", "Replica", "error_body"]
+__all__ = ["BLIND_HEADER", "GUARDED", "PASS_THROUGH", "WHEN_BLIND", "GuardLimits", "GuardProxy", "Replica",
+           "error_body"]

@@ -236,7 +236,10 @@ class RunningGuard:
                  poll_s: float = 0.05, health_s: float | None = None, reserve_mb: float = 0.0,
                  limits: GuardLimits | None = None,
                  replicas: list[tuple[str, list[str]]] | None = None) -> None:
-        """replicas: (upstream, hooks) of each of several engines, instead of `upstream` and `hooks`."""
+        """replicas: (upstream, hooks) of each of several engines, instead of `upstream` and `hooks`. Without
+        `limits`, the queue is off (a prompt that does not fit is refused at once, as the refusal tests read it); the
+        default queue has its own tests (test_queue.py)."""
+        limits = limits or GuardLimits(queue_s=0.0)
         engines = [(parse_base_url(url), LimitTracker([parse_url(h) for h in urls], stale_s=stale_s,
                                                        reserve_bytes=reserve_mb * (1 << 20)))
                    for url, urls in (replicas or [(upstream, hooks)])]

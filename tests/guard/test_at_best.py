@@ -18,10 +18,9 @@ import openai
 import pytest
 
 from telemetry.guard import at_best as at_best_module
-from telemetry.guard.at_best import AtBest, AtBestBook, deployment_at_best
+from telemetry.guard.at_best import AtBest, deployment_at_best
 from telemetry.guard.limit import Limit, LimitTracker, RankFit
 from telemetry.guard.proxy import GuardLimits
-from telemetry.guard.queue import GuardQueue, _Waiter
 from telemetry.guard.refusal import refusal_for
 from telemetry.url import parse_url
 from tests.guard.servers import RunningGuard, StubHook, exposition, request
@@ -36,27 +35,6 @@ def fit(at_best: int | None, at: float, tokens: int = 1000, rank: str = "0") -> 
 
 
 # ---- the safety rule ------------------------------------------------------------------------------------------
-
-
-def test_a_reading_taken_while_a_prefill_was_in_flight_is_not_kept_and_the_highest_clean_one_stands():
-    now = [1000.0]
-    book = AtBestBook(60.0, clock=lambda: now[0])
-    hook = "http://h:9200/metrics"
-    book.observe(hook, [fit(5000, 999.0)])
-    assert book.best(hook, fit(None, 0)) == (5000, 999.0)
-    now[0] = 1010.0
-    book.started()                                    # a prefill of the guard's is in flight from 1010 ...
-    book.observe(hook, [fit(3000, 1011.0)])           # ... so this snapshot holds its activations: too low
-    now[0] = 1020.0
-    book.ended()                                      # ... to 1020
-    book.observe(hook, [fit(4500, 1020.3)])           # within the clocks' margin of the prefill: not kept either
-    book.observe(hook, [fit(4000, 1023.0)])           # clean
-    assert book.best(hook, fit(None, 0)) == (5000, 999.0)   # the highest clean reading of the window
-    now[0] = 1070.0                                   # the 999 reading is past the 60 s window
-    book.observe(hook, [])
-    assert book.best(hook, fit(None, 0)) == (4000, 1023.0)
-    now[0] = 1090.0
-    assert book.best(hook, fit(None, 0)) is None      # no clean reading within the window: unknown
 
 
 def _tracker(*hooks: str) -> LimitTracker:
@@ -250,29 +228,12 @@ def test_a_queued_prompt_that_becomes_permanent_leaves_the_queue_with_the_400(ma
     assert guard.sample(OUTCOMES, {"outcome": "refused"}) == 1 and _posts(upstream) == []
 
 
-def test_the_queue_wakes_only_waiters_whose_count_proves_them_over_the_at_best_limit():
-    class Metrics:
-        queue_depth = 0
-
-    async def run() -> tuple[list[bool], list[bool]]:
-        queue = GuardQueue(5.0, 8, Metrics(), lambda: [(100, 100)], lambda: 1200)  # type: ignore[arg-type]
-        loop = asyncio.get_running_loop()
-        waiters = [_Waiter(1500, loop, proven=True), _Waiter(1500, loop, proven=False), _Waiter(900, loop, True)]
-        queue._waiters.extend(waiters)
-        queue.pump()
-        return [w.wake.done() for w in waiters], [w.trying for w in waiters]
-
-    woken, trying = asyncio.run(run())
-    # Proven over 1,200: woken to leave with the 400; a byte bound proves nothing; 900 neither fits nor is over.
-    assert woken == [True, False, False] and trying == [True, False, False]
-
-
 def test_a_rank_is_never_taken_below_what_its_gauges_say_now():
     tracker = _tracker("http://a:9200")
     hook = tracker.hooks[0]
     now = time.time()
     tracker.record(hook, [fit(1000, now - 10, tokens=1000)], None)   # a clean reading: 1,000 at best
-    tracker.book.started()                                            # then prefills in flight: unclean readings ...
+    tracker.book.started(time.time())                                 # then prefills in flight: unclean readings ...
     tracker.record(hook, [fit(1100, now, tokens=1200)], None)         # ... that still prove 1,200 fit now
     best, _ = deployment_at_best([tracker])
     assert best is not None and best.tokens == 1200   # a prompt of 1,100 to 1,200 is never refused for good

@@ -26,7 +26,7 @@ def hook():
 
 @pytest.fixture(scope="module")
 def guard(upstream, hook):
-    running = RunningGuard(upstream.url, [hook.url], limits=GuardLimits(max_body_bytes=1 << 20))
+    running = RunningGuard(upstream.url, [hook.url], limits=GuardLimits(max_body_bytes=1 << 20, queue_s=0.0))
     running.wait_for(lambda: running.tracker.published is not None)
     yield running
     running.stop()
@@ -82,14 +82,17 @@ def test_a_prompt_with_more_words_than_the_limit_is_refused_at_once_and_never_fo
     assert "at least 5,000 tokens" in error["message"] and "\n" not in error["message"]
 
 
-def test_a_prompt_the_upstream_counts_over_the_limit_is_refused_with_the_hooks_forecast(guard, upstream):
+def test_a_prompt_the_upstream_counts_over_the_limit_is_refused_with_its_own_forecast(guard, upstream):
     upstream.tokens_per_word = 6
     status, _, data = request(guard.url, "POST", "/v1/completions", {"prompt": "token " * 600})
     assert status == 503
     assert upstream.paths() == ["/tokenize"]
     error = json.loads(data)["error"]
     assert (error["prompt_tokens"], error["prompt_tokens_counted_by"]) == (3600, "tokenize")
-    assert (error["forecast_tokens"], error["forecast_bytes"]) == (4000, 6_500_000_000)
+    # The prompt's own length, on the line from 0 to the hook's 4,000-token forecast (not the 4,000's figure).
+    assert (error["forecast_tokens"], error["forecast_bytes"], error["forecast_from_tokens"]) == \
+        (3600, 5_850_000_000, [4000])
+    assert "a prefill of 3,600 tokens" in error["forecast"] and "4,000 tokens)" in error["forecast"]
 
 
 def test_token_ids_are_counted_exactly(guard, upstream):

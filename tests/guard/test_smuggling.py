@@ -21,7 +21,7 @@ BIG = json.dumps({"prompt": "w " * 5000}).encode()  # 5,000 words: refused by th
 @pytest.fixture(scope="module")
 def guard(upstream):
     hook = StubHook(lambda: exposition(LIMIT))
-    running = RunningGuard(upstream.url, [hook.url], limits=GuardLimits(max_body_bytes=1 << 20))
+    running = RunningGuard(upstream.url, [hook.url], limits=GuardLimits(max_body_bytes=1 << 20, queue_s=0.0))
     running.wait_for(lambda: running.tracker.published is not None)
     yield running
     running.stop()

@@ -16,8 +16,7 @@ from telemetry.guard.limit import Limit, LimitTracker, RankFit
 from telemetry.guard.metrics import GuardMetrics, guard_registry
 from telemetry.guard.prompt import CHAT_COMPLETIONS, COMPLETIONS, PromptError, PromptSize, measure
 from telemetry.guard.proxy import GuardProxy
-from telemetry.guard.queue import transient
-from telemetry.guard.refusal import Refusal, behind, error_body, uncountable
+from telemetry.guard.refusal import behind, uncountable
 from telemetry.guard.replicas import engines, hook_targets, replica_flag, replicas_file
 from telemetry.url import parse_base_url, parse_url
 
@@ -70,14 +69,6 @@ def test_prompt_embeds_that_are_not_base64_strings_are_refused():
     with pytest.raises(PromptError) as error:
         measure(COMPLETIONS, {"prompt_embeds": []})
     assert str(error.value) == "`prompt_embeds` must be a base64 string or a non-empty list of them"
-
-
-@pytest.mark.parametrize("status, reason, cured", [
-    (503, "would_not_fit", True), (503, "in_prefill", True), (503, "no_replica", True), (503, "blind", False),
-    (400, "would_not_fit", False)])
-def test_only_a_refusal_for_room_is_cured_by_waiting(status, reason, cured):
-    refusal = Refusal(status, error_body("t", "m", status), 5 if status == 503 else None, reason=reason)
-    assert transient(refusal) is cured
 
 
 FIT = RankFit("0", "node-a", 1000, 8 << 30, None)

@@ -23,15 +23,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from telemetry.catalogue import metrics as catalogue
-from telemetry.catalogue.fields import GUARD_BLIND, GUARD_NOT_FORWARDED
+from telemetry.catalogue.fields import GUARD_NOT_FORWARDED
 from telemetry.guard import cli
-from telemetry.guard.http import Channel, ClientSide, Request, ServerSide, UpstreamClosed, UpstreamError
+from telemetry.guard.http import Channel, ClientSide, ServerSide, UpstreamClosed, UpstreamError
 from telemetry.guard.limit import LimitTracker
 from telemetry.guard.metrics import ADDED_LATENCY_BUCKETS, GuardCollector, GuardMetrics
-from telemetry.guard.prompt import COMPLETIONS, measure
+from telemetry.guard.prompt import COMPLETIONS
 from telemetry.guard.proxy import GuardLimits, GuardProxy, _body_error
-from telemetry.guard.queue import GuardQueue, _Waiter
-from telemetry.guard.refusal import Refusal, error_body
 from telemetry.url import parse_base_url, parse_url
 
 NOWHERE = "http://127.0.0.1:1"   # a hook no one answers: the guard stays blind and admits (--when-blind admit)
@@ -57,29 +55,6 @@ def test_why_blind_names_each_replica_only_when_there_are_several():
                                 "http://127.0.0.1:11: http://127.0.0.1:21/metrics: no answer yet")
 
 
-def test_the_blind_refusal_says_why_and_is_counted_as_blind():
-    proxy = make_proxy(when_blind="reject")
-    with pytest.raises(Refusal) as refused:
-        proxy._blind()
-    error = refused.value.body["error"]
-    assert (refused.value.status, error["type"], error["hooks"]) == (503, GUARD_BLIND, ["http://127.0.0.1:20/metrics"])
-    assert error["message"] == ("the memtel guard is blind (no fresh forecast from any hook) and refuses requests "
-                                "until it sees again (--when-blind reject): http://127.0.0.1:20/metrics: no answer yet")
-    assert proxy.metrics.counts() == {(catalogue.GUARD_BLIND_DECISIONS, ("reject",)): 1,
-                                      (catalogue.GUARD_REJECTED, ("blind",)): 1}
-
-
-def test_no_replica_healthy_names_each_replicas_error():
-    proxy = make_proxy(2)
-    for replica, error in zip(proxy.replicas, ("/health: 503", "cannot connect: Connection refused"), strict=True):
-        replica.healthy, replica.health_error = False, error
-    refusal = proxy._no_replica()
-    assert (refusal.status, refusal.reason, refusal.counted_as) == (503, "no_replica", "no_replica")
-    assert str(refusal) == ("memtel guard: no replica is healthy now (http://127.0.0.1:10: /health: 503; "
-                            "http://127.0.0.1:11: cannot connect: Connection refused)")
-
-
-# -- metrics ----------------------------------------------------------------------------------------------
 def test_the_added_latency_histogram_counts_each_observation_in_its_bucket():
     metrics = GuardMetrics()
     metrics.observe_added(0.0003)
@@ -100,68 +75,6 @@ def test_the_collector_describes_every_family_it_collects_so_a_registry_takes_it
     registry.register(collector)
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         registry.register(GuardCollector(proxy.metrics, proxy.tracker, proxy.replicas))
-
-
-# -- the queue --------------------------------------------------------------------------------------------
-def test_the_pump_spends_each_woken_waiters_tokens_of_the_room():
-    loop = asyncio.new_event_loop()
-    try:
-        queue = GuardQueue(10.0, 8, GuardMetrics(), lambda: [(100, 100)])
-        waiters = [_Waiter(60, loop), _Waiter(60, loop), _Waiter(40, loop)]
-        queue._waiters.extend(waiters)
-        queue.pump()
-        assert [w.wake.done() for w in waiters] == [True, False, True]   # 60 of 100, then 40 of the 40 left
-    finally:
-        loop.close()
-
-
-def refusal(status: int, tokens: int, counted_by: str, reason: str) -> Refusal:
-    return Refusal(status, error_body("t", "m", status, prompt_tokens=tokens, prompt_tokens_counted_by=counted_by),
-                   1 if status == 503 else None, reason=reason)
-
-
-def test_a_waiter_whose_new_count_proves_it_over_the_at_best_limit_is_woken_for_its_400():
-    rooms = [(1000, 1000)]
-    metrics = GuardMetrics()
-    calls = []
-
-    async def attempt() -> None:
-        calls.append(rooms[0])
-        if len(calls) == 1:   # counted exactly now: 400 tokens, over the at-best 300; the room fell meanwhile
-            rooms[0] = (100, 1000)
-            raise refusal(503, 400, "tokenize", "would_not_fit")
-        raise refusal(400, 400, "tokenize", "exceeds_memory_at_best")
-
-    async def main() -> None:
-        queue = GuardQueue(2.0, 8, metrics, lambda: rooms, at_best=lambda: 300)
-        gone = asyncio.get_running_loop().create_future()
-        await queue.wait(refusal(503, 200, "byte_bound", "would_not_fit"), 200, gone, attempt)
-
-    with pytest.raises(Refusal) as refused:
-        asyncio.run(main())
-    assert refused.value.status == 400 and len(calls) == 2   # woken by the proof, not by room (100 < 400)
-    assert metrics.counts()[(catalogue.GUARD_QUEUE_OUTCOMES, ("refused",))] == 1
-
-
-def test_a_request_waiting_for_any_replica_is_admitted_when_one_comes_back():
-    proxy = make_proxy(2, limits=GuardLimits(queue_s=1.0))
-    for replica in proxy.replicas:
-        replica.healthy, replica.health_error = False, "/health: 503"
-    request = Request("POST", COMPLETIONS, "1.1", [("Host", "guard")])
-    size = measure(COMPLETIONS, {"prompt": "one two three"})
-
-    async def main():
-        waiting = asyncio.ensure_future(proxy._wait(request, size, proxy._no_replica(),
-                                                    ServerSide(Channel(), 16384)))
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert not waiting.done()
-        proxy.replicas[1].healthy = True   # its /health answers again: the health watch kicks the queue
-        proxy.queue.kick()
-        return await asyncio.wait_for(waiting, 0.9)
-
-    replica, held, counted_by = asyncio.run(main())
-    assert (replica, held, counted_by) == (proxy.replicas[1], 0, "blind")   # no limit read yet: admitted blind
 
 
 # -- HTTP -------------------------------------------------------------------------------------------------

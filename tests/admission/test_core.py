@@ -1,0 +1,275 @@
+"""The admission core decided directly: no server, no event loop, the clocks passed in (thousands a second)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from telemetry.admission import (
+    Admission,
+    CountFirst,
+    Forward,
+    Hold,
+    Now,
+    Prompt,
+    RankFit,
+    Readings,
+    ReadModels,
+    Refusal,
+    RefusePermanent,
+    RefuseTransient,
+    Replica,
+    Settings,
+    measure,
+)
+from telemetry.url import parse_url
+
+WALL = 1_000_000.0
+T0 = Now(100.0, WALL)
+
+
+def at(seconds: float) -> Now:
+    return Now(T0.monotonic + seconds, T0.wall + seconds)
+
+
+def replica(name: str = "http://e:8000", tokens: int = 1000, *, at_best: int | None = None) -> Replica:
+    readings = Readings([parse_url(name.replace("8000", "9200"))], stale_s=30)
+    readings.record_at(readings.hooks[0], [RankFit("0", "node", tokens, 4e9, WALL, (), at_best)], None, [],
+                       T0.monotonic, T0.wall)
+    return Replica(name, readings)
+
+
+def words(n: int) -> Prompt:
+    return Prompt(measure("/v1/completions", {"model": "m", "prompt": "w " * n}))
+
+
+def ids(n: int) -> Prompt:
+    return Prompt(measure("/v1/completions", {"model": "m", "prompt": [1] * n}))
+
+
+def settle(core: Admission, prompt: Prompt, now: Now, *, count: int | None = None,
+           models: dict[str, int] | None = None):
+    """Decide, performing CountFirst (with `count`) and ReadModels (with `models`) as a front door would."""
+    for _ in range(6):
+        decision = core.decide(prompt, now)
+        if isinstance(decision, CountFirst):
+            assert count is not None, "asked to count"
+            prompt.counted(count)
+        elif isinstance(decision, ReadModels):
+            core.models_read(decision.replica, models, now)
+        else:
+            return decision
+    raise AssertionError("no decision after six steps")
+
+
+def test_a_prompt_that_fits_by_its_bytes_is_forwarded_holding_them_until_released():
+    core = Admission([replica()])
+    decision = core.decide(words(100), T0)
+    assert isinstance(decision, Forward) and decision.counted_by == "byte_bound" and decision.tokens >= 100
+    assert core.replicas[0].readings.in_prefill_tokens == decision.tokens
+    core.release(decision, at(1))
+    assert core.replicas[0].readings.in_prefill_tokens == 0
+
+
+def test_a_prompt_over_the_limit_by_its_words_reads_max_model_len_then_is_refused_for_now():
+    core = Admission([replica()])
+    prompt = words(1500)
+    first = core.decide(prompt, T0)
+    assert isinstance(first, ReadModels)                       # max-model-len is read only when a prompt is over
+    core.models_read(first.replica, None, T0)                  # the read failed: unknown
+    decision = core.decide(prompt, T0)
+    assert isinstance(decision, RefuseTransient) and decision.status == 503 and decision.retry_after == 10
+    assert (decision.reason, decision.counted_as, decision.body["error"]["prompt_tokens"]) == \
+        ("would_not_fit", "would_not_fit", 1500)
+
+
+def test_ids_over_max_model_len_are_a_permanent_400_without_a_count():
+    core = Admission([replica()])
+    decision = settle(core, ids(3000), T0, models={"m": 2000})
+    assert isinstance(decision, RefusePermanent) and decision.status == 400
+    assert decision.headers == (("x-should-retry", "false"),) and decision.counted_as == "context_length_exceeded"
+
+
+def test_words_that_may_or_may_not_reach_max_model_len_are_counted_to_say_which():
+    core = Admission([replica(tokens=1000)])
+    prompt = Prompt(measure("/v1/completions", {"model": "m", "prompt": "wordy " * 1500}))  # bytes 9,000: undecided
+    assert isinstance(core.decide(prompt, T0), ReadModels)
+    core.models_read(core.replicas[0], {"m": 4000}, T0)
+    asked = core.decide(prompt, T0)
+    assert isinstance(asked, CountFirst) and asked.body["prompt"] == "wordy " * 1500
+    prompt.counted(4500)
+    decision = core.decide(prompt, T0)
+    assert isinstance(decision, RefusePermanent) and decision.body["error"]["prompt_tokens_counted_by"] == "tokenize"
+    failed = Prompt(prompt.size)                              # the same prompt, the count failing: its words stand
+    assert isinstance(core.decide(failed, T0), CountFirst)
+    failed.not_counted(Refusal(502, {"error": {"message": "down"}}))
+    assert isinstance(core.decide(failed, T0), RefuseTransient)
+
+
+def test_a_count_is_decided_on_the_limit_when_it_arrives_not_the_one_before_it():
+    core = Admission([replica(tokens=10_000)])
+    # Text without spaces: its bytes bound far above its words and would hold a large share: counted to hold.
+    prompt = Prompt(measure("/v1/completions", {"model": "m", "prompt": "x" * 4000}))
+    assert isinstance(core.decide(prompt, T0), CountFirst)
+    other = core.decide(ids(9000), T0)                        # meanwhile another prefill is admitted: 1,000 left
+    assert isinstance(other, Forward)
+    prompt.counted(2000)
+    decision = settle(core, prompt, T0)
+    assert isinstance(decision, RefuseTransient) and decision.reason == "in_prefill"
+    core.release(other, T0)
+    assert isinstance(core.decide(prompt, T0), Forward)       # the same count, the limit risen: forwarded
+
+
+def test_a_failed_count_forwards_by_the_bytes_where_they_fit_else_relays_the_upstreams_answer():
+    core = Admission([replica(tokens=10_000)])
+    prompt = Prompt(measure("/v1/completions", {"model": "m", "prompt": "x" * 4000}))
+    assert isinstance(core.decide(prompt, T0), CountFirst)
+    prompt.not_counted(Refusal(404, {"error": {"message": "no such model"}}))
+    decision = core.decide(prompt, T0)
+    assert isinstance(decision, Forward) and decision.counted_by == "byte_bound"
+    tight = Admission([replica(tokens=2000)])
+    prompt = Prompt(measure("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"},
+                                                                                {"role": "user", "content": "y"}]}))
+    assert isinstance(tight.decide(prompt, T0), CountFirst)   # the template's allowance is over 2,000
+    prompt.not_counted(Refusal(404, {"error": {"message": "no such model"}}))
+    relayed = tight.decide(prompt, T0)
+    assert isinstance(relayed, RefusePermanent) and relayed.status == 404 and relayed.counted_as is None
+
+
+def test_no_fresh_limit_is_decided_by_when_blind():
+    blind = Replica("http://e:8000", Readings([parse_url("http://e:9200")], stale_s=30))
+    admitted = Admission([blind]).decide(words(10**6), T0)
+    assert isinstance(admitted, Forward) and (admitted.tokens, admitted.counted_by) == (0, "blind")
+    refused = Admission([blind], Settings(when_blind="reject")).decide(words(10), T0)
+    assert isinstance(refused, RefuseTransient) and refused.counted_as == "blind" and refused.status == 503
+    assert "no answer yet" in refused.body["error"]["message"]
+    with pytest.raises(ValueError, match="when_blind"):
+        Settings(when_blind="maybe")
+
+
+def test_a_prompt_that_does_not_fit_now_is_held_woken_when_room_frees_and_forwarded():
+    core = Admission([replica(tokens=1000)], Settings(queue_s=10.0))
+    first = core.decide(ids(800), T0)
+    assert isinstance(first, Forward)
+    waiting = ids(500)
+    held = settle(core, waiting, T0)
+    assert isinstance(held, Hold) and held.deadline == T0.monotonic + 10.0 and held.reason == "in_prefill"
+    assert core.queued == 1 and core.wake(at(1)) == []         # no room yet
+    core.release(first, at(2))
+    assert core.wake(at(2)) == [waiting]
+    decision = core.decide(waiting, at(2))
+    assert isinstance(decision, Forward) and decision.queue_outcome == "admitted" and decision.waited_s == 2.0
+    assert core.queued == 0
+
+
+def test_a_held_prompt_gets_its_last_refusal_at_the_deadline_saying_how_long_it_waited():
+    core = Admission([replica(tokens=1000)], Settings(queue_s=3.0))
+    prompt = ids(1500)
+    assert isinstance(settle(core, prompt, T0), Hold)
+    decision = core.decide(prompt, at(3))
+    assert isinstance(decision, RefuseTransient) and decision.queue_outcome == "timed_out"
+    assert decision.body["error"]["queued_s"] == 3.0 and "after waiting 3.0 s in the queue" in decision.body["error"][
+        "message"]
+    assert core.queued == 0
+
+
+def test_a_full_queue_refuses_at_once_and_a_client_that_leaves_leaves_the_queue():
+    core = Admission([replica(tokens=1000)], Settings(queue_s=10.0, max_queued=1))
+    first = ids(1500)
+    assert isinstance(settle(core, first, T0), Hold)
+    decision = settle(core, ids(1500), T0)
+    assert isinstance(decision, RefuseTransient) and decision.queue_outcome == "queue_full"
+    assert "--max-queued" in decision.body["error"]["queue"]
+    assert core.leave(first, at(4)) == 4.0 and core.queued == 0
+
+
+def test_the_queue_off_refuses_what_does_not_fit_now_at_once():
+    core = Admission([replica(tokens=1000)], Settings(queue_s=0.0))
+    assert isinstance(settle(core, ids(1500), T0), RefuseTransient) and core.queued == 0
+
+
+def test_the_prompt_goes_to_the_replica_with_the_most_room_and_an_unreachable_one_leaves_the_pool():
+    small, large = replica("http://a:8000", 1000), replica("http://b:8000", 5000)
+    core = Admission([small, large])
+    decision = core.decide(ids(100), T0)
+    assert isinstance(decision, Forward) and decision.replica is large
+    assert core.unreachable(decision, "cannot connect: Connection refused", T0)
+    assert large.readings.in_prefill_tokens == 0 and not large.healthy
+    again = core.decide(ids(100), T0)
+    assert isinstance(again, Forward) and again.replica is small
+    core.unreachable(again, "cannot connect", T0)
+    none = core.decide(ids(100), T0)
+    assert isinstance(none, RefuseTransient) and none.reason == "no_replica" and "http://a:8000" in \
+        none.body["error"]["message"]
+    core.pool.back(small)
+    assert isinstance(core.decide(ids(100), T0), Forward)
+
+
+def test_a_newcomer_that_fits_waits_behind_a_head_that_waited_its_turn():
+    core = Admission([replica(tokens=1000)], Settings(queue_s=4.0))
+    running = core.decide(ids(600), T0)
+    assert isinstance(running, Forward)
+    head = ids(900)
+    assert isinstance(settle(core, head, T0), Hold)
+    assert isinstance(core.decide(ids(100), at(0.5)), Forward)   # the head is young: a small one passes
+    behind = core.decide(ids(100), at(1.0))                      # the head waited pass_s: the newcomer queues
+    assert isinstance(behind, Hold) and "waits behind an earlier request" in behind.refusal.body["error"]["message"]
+
+
+def test_a_held_prompt_proven_over_the_at_best_limit_leaves_with_the_permanent_400():
+    core = Admission([replica(tokens=1000, at_best=1200)], Settings(queue_s=10.0))
+    prompt = ids(1100)
+    assert isinstance(settle(core, prompt, T0, models=None), Hold)   # 1,100 may fit at best: it waits
+    over = ids(1500)
+    decision = settle(core, over, T0)
+    assert isinstance(decision, RefusePermanent) and decision.reason == "exceeds_memory_at_best"
+
+
+def test_thousands_of_decisions_a_second():
+    core = Admission([replica("http://a:8000", 10**6), replica("http://b:8000", 10**6)], Settings(queue_s=10.0))
+    prompt_size = measure("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi " * 50}]})
+    started = time.perf_counter()
+    for n in range(2000):
+        decision = core.decide(Prompt(prompt_size), at(n / 1000))
+        assert isinstance(decision, Forward)
+        core.release(decision, at(n / 1000))
+    assert time.perf_counter() - started < 2.0   # at least 1,000 a second on a loaded 2-core machine
+
+
+def test_the_blind_refusal_says_why_names_the_hooks_and_is_never_held():
+    blind = Replica("http://e:8000", Readings([parse_url("http://127.0.0.1:20")], stale_s=30))
+    core = Admission([blind], Settings(when_blind="reject", queue_s=10.0))
+    decision = core.decide(words(10), T0)
+    assert isinstance(decision, RefuseTransient) and core.queued == 0   # waiting cannot cure blindness
+    error = decision.body["error"]
+    assert (decision.status, error["type"], error["hooks"]) == (503, "memtel_guard_blind", ["http://127.0.0.1:20/metrics"])
+    assert error["message"] == ("the memtel guard is blind (no fresh forecast from any hook) and refuses requests "
+                                "until it sees again (--when-blind reject): http://127.0.0.1:20/metrics: no answer yet")
+
+
+def test_no_replica_healthy_names_each_replicas_error_and_waits_for_one_to_come_back():
+    a, b = replica("http://a:8000"), Replica("http://b:8000", Readings([parse_url("http://b:9200")], stale_s=30))
+    core = Admission([a, b], Settings(queue_s=5.0))
+    core.pool.leave(a, "/health: 503")
+    core.pool.leave(b, "cannot connect: Connection refused")
+    prompt = words(3)
+    held = core.decide(prompt, T0)
+    assert isinstance(held, Hold) and held.reason == "no_replica"
+    assert str(held.refusal) == ("memtel guard: no replica is healthy now (http://a:8000: /health: 503; "
+                                 "http://b:8000: cannot connect: Connection refused)")
+    assert core.wake(at(1)) == []
+    core.pool.back(b)                                            # its /health answers again
+    assert core.wake(at(1)) == [prompt]                          # blind and admitting: decided again
+    decision = core.decide(prompt, at(1))
+    assert isinstance(decision, Forward) and (decision.replica, decision.counted_by) == (b, "blind")
+
+
+@pytest.mark.parametrize("status, reason, held", [
+    (503, "would_not_fit", True), (503, "in_prefill", True), (503, "no_replica", True), (503, "blind", False),
+    (400, "would_not_fit", False), (502, None, False)])
+def test_only_a_refusal_for_room_is_cured_by_waiting(status, reason, held):
+    core = Admission([replica()], Settings(queue_s=5.0))
+    refusal = Refusal(status, {"error": {"message": "m"}}, 5 if status == 503 else None, reason=reason)
+    decision = core._refused(ids(1), refusal, reason, None, T0)
+    assert isinstance(decision, Hold) is held and core.queued == (1 if held else 0)
