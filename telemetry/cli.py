@@ -117,26 +117,35 @@ def main(argv: list[str] | None = None) -> int:
     # Import only the chosen subcommand's module; `memtel --help` lists names without importing any.
     parser = build_parser(only=chosen or "")
     args, unknown = parser.parse_known_args(argv)
-    if unknown and chosen:  # one line, like every other bad input (argparse would add its usage block)
-        print(error_line(f"memtel {chosen}", f"unrecognized arguments: {' '.join(unknown)} "
-                                             f"(see memtel {chosen} --help)"), file=sys.stderr)
-        return 2
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # one line, like every other bad input (argparse would add its usage block)
+        chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
+    args._prog = chosen_parser(parser, args).prog
     return run_command(args)
 
 
-def run_command(args: argparse.Namespace) -> int:
-    """Run a parsed subcommand; every `MemtelError` becomes one line on stderr and its exit code."""
-    from telemetry.errors import MemtelError
+def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest (sub-)subcommand `args` chose: `memtel lab serve`'s parser, whose prog names its errors."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            child = action.choices.get(getattr(args, action.dest, None) or "")
+            if child is not None:
+                return chosen_parser(child, args)
+    return parser
 
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed subcommand; every `MemtelError` becomes one line on stderr, named for the (sub-)subcommand
+    that ran (`memtel lab serve: error: ...`), and its exit code."""
+    from telemetry.errors import INTERRUPTED, MemtelError
+
+    prog = getattr(args, "_prog", None) or f"memtel {args.command}"
     try:
         return int(args._run(args) or 0)
     except MemtelError as exc:
-        print(error_line(f"memtel {args.command}", str(exc)), file=sys.stderr)
+        print(error_line(prog, str(exc)), file=sys.stderr)
         return exc.exit_code
     except ModuleNotFoundError as exc:  # a package of an extra, imported where the command first needs it
         line = _missing_package_line(args.command, all_commands()[args.command], exc)
@@ -145,8 +154,8 @@ def run_command(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"memtel {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -16,6 +16,18 @@ and logs its own failures (docs/hook.md).
 
 from __future__ import annotations
 
+# Exit codes: the same situation gives the same code, whatever the command (docs/cli.md, "Exit codes", writes this
+# table out; tests/test_exit_codes.py holds them together).
+EXIT_CODES = {
+    0: "done",
+    1: "a source or resource could not be used, or the work did not finish",
+    2: "bad input",
+    3: "`ab`: a gate failed",
+    4: "`ab`: requests failed",
+    130: "interrupted (Ctrl-C)",
+}
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped; after a clean stop too
+
 MAX_SHOWN_CHARS = 80     # a value quoted in an error message (a 1 MB label, a 5,000-digit integer) is cut here
 MAX_ERROR_CHARS = 1000   # a whole error line, whatever it quotes
 

@@ -296,7 +296,13 @@ def _cases(scratch: Path) -> list[Case]:
 
     # lab serve, demo, run
     serve = ["lab", "serve", "--arm", "stock", "--allocator", "sim", "--host", "127.0.0.1"]
+    demo_run = scratch / "demo-run"
+    demo_run.mkdir()
+    (demo_run / "results.jsonl").write_text('{"event": "run_start"}\n')
     cases += [
+        # The demo has no --resume: its line says what it takes (it said "pass --resume", then rejected it).
+        Case("demo --out holds a run", ["demo", "--out", str(demo_run)], "pass --overwrite to replace it",
+             untouched=demo_run),
         Case("lab serve --port 99999", [*serve, "--port", "99999"], "--port"),
         Case("lab serve --port -1", [*serve, "--port", "-1"], "--port"),
         Case("lab serve --port in Arabic-Indic digits", [*serve, "--port", "٨٠٠٠"], "--port"),
@@ -374,17 +380,24 @@ def _call(case: Case, cwd: Path, capfd: pytest.CaptureFixture[str],
     return case, cwd, subprocess.CompletedProcess(case.argv, code, out, err + raised)
 
 
+NESTED = ("ab", "lab", "flight", "alerts")  # commands with sub-subcommands
+
+
 def _problem(case: Case, cwd: Path, result: subprocess.CompletedProcess | str) -> str | None:
     if isinstance(result, str):
         return result
     lines = result.stderr.strip().splitlines()
-    command = "memtel " + case.argv[0]
+    # A sub-subcommand's line names it (`memtel lab serve: error: ...`, not `memtel lab: error: ...`).
+    nested = case.argv[0] in NESTED and len(case.argv) > 1 and not case.argv[1].startswith("-")
+    command = "memtel " + " ".join(case.argv[:2] if nested else case.argv[:1]) + ": "
     if result.returncode != 2:
         return f"exit {result.returncode}: {result.stderr[-300:]!r}"
     if "Traceback" in result.stderr or len(lines) != 1:
         return f"{len(lines)} lines on stderr: {result.stderr[-300:]!r}"
     if not lines[0].startswith(command) or len(lines[0]) < len(command) + 20:
         return f"the line does not name the command or says nothing: {lines[0]!r}"
+    if case.argv[0] == "demo" and "--resume" in lines[0]:
+        return f"the demo's line suggests --resume, which the demo rejects: {lines[0]!r}"
     if case.expect and case.expect not in lines[0]:
         return f"the line does not name {case.expect!r}: {lines[0]!r}"
     if any(cwd.iterdir()):

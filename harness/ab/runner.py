@@ -59,7 +59,10 @@ from harness.ab.step import StepRunner
 from telemetry.errors import ConfigError
 from telemetry.limits import MAX_PREFILL_TOKENS
 
-RUN_DIR_ENTRIES = (RESULTS_FILE, "report.md", "summary.json", "plots", "prompts", "logs", "hook-logs")
+# What --overwrite removes; the report's names as harness/ab/report writes them (compose.py, extras.py; a test
+# holds them together), typed here so the runner does not load the report's numpy and matplotlib.
+RUN_DIR_ENTRIES = (RESULTS_FILE, "report.md", "summary.json", "plots", "report-extras.json", "prompts", "logs",
+                   "hook-logs")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

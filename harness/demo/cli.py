@@ -144,8 +144,8 @@ def build_ladder(setup: DemoSetup, steps: list[Step], daemon_url: str, ports: di
     arms = []
     for mode in MODES:
         port, rank_base = ports[mode]
-        command = [sys.executable, "-m", "telemetry", "lab", "serve", "--arm", mode, "--port", str(port),
-                   "--host", "127.0.0.1", "--model-name", DEMO_MODEL, "--memtel-port", str(rank_base),
+        command = [sys.executable, "-m", "telemetry", "lab", "serve", "--arm", mode, "--listen", f"127.0.0.1:{port}",
+                   "--model-name", DEMO_MODEL, "--memtel-port", str(rank_base),
                    *setup.serve_args()]
         arms.append({
             "name": mode,
@@ -210,6 +210,12 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("memtel-demo") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())).resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is not a directory; expected a run directory (new, or of an earlier demo)")
+    from harness.ab.records import RESULTS_FILE
+
+    results = out / RESULTS_FILE
+    if not args.overwrite and results.exists() and results.stat().st_size > 0:
+        # Before anything starts, and in the demo's words: it has no --resume (`memtel ab run` has).
+        raise ConfigError(f"--out {out} already holds a run; pass --overwrite to replace it, or choose another --out")
     return run_demo(setup, steps, out, overwrite=args.overwrite)
 
 

@@ -1,7 +1,7 @@
 """`memtel lab serve`: the lab model behind an OpenAI-compatible API, with the sparse indexer's allocations.
 
     memtel lab serve --arm stock|fixed [--ranks N] [--allocator cuda|sim] [--layers L] [--chunk C]
-                     [--max-model-len T] [--compress-ratio R] [--budget-mb B] [--port P] [--host H]
+                     [--max-model-len T] [--compress-ratio R] [--budget-mb B] [--listen HOST:PORT]
                      [--scale S] [--time-scale X] [--capacity-gb X [--tenant GIB@START_S+DURATION_S]]
 
 It answers like a vLLM server (so `memtel ab` and any OpenAI client can drive it) and runs, per
@@ -23,8 +23,8 @@ from harness.labserver.engine import LabConfig
 from harness.labserver.tenant import TENANT_FORMAT, parse_tenant
 from telemetry import limits
 from telemetry.argtypes import add_log_level, bounded_float, bounded_int, fraction, port
-from telemetry.errors import ConfigError, RunError
-from telemetry.exporter import listen_failed
+from telemetry.errors import INTERRUPTED, ConfigError, RunError
+from telemetry.exporter import listen_failed, parse_listen
 from telemetry.model.indexer.backends import ALLOCATORS, default_allocator
 from telemetry.model.indexer.planner import MODES
 from telemetry.model.indexer.shape import add_shape_arguments, shape_from_args
@@ -83,10 +83,25 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--memtel-log-dir", default=None,
                        help="directory for the hook's per-call JSONL logs (default: $MEMTEL_LOG_DIR, else none)")
     serve.add_argument("--model-name", default=None, help="model name served (default lab-<mode>)")
-    serve.add_argument("--host", default="127.0.0.1", metavar="HOST",
-                       help="listen address (default 127.0.0.1, loopback)")
-    serve.add_argument("--port", type=port, default=LAB_PORT, metavar="PORT", help=f"listen port (default {LAB_PORT})")
+    serve.add_argument("--listen", default=None, metavar="HOST:PORT",
+                       help=f"the address to serve on (default {DEFAULT_LISTEN}, loopback); the hook exporters "
+                            "listen on its HOST too")
+    # The spellings before --listen, kept working for scripts and ladders that use them; not shown.
+    serve.add_argument("--host", default=None, metavar="HOST", help=argparse.SUPPRESS)
+    serve.add_argument("--port", type=port, default=None, metavar="PORT", help=argparse.SUPPRESS)
     add_log_level(serve)
+
+
+DEFAULT_LISTEN = f"127.0.0.1:{LAB_PORT}"
+
+
+def listen_address(args: argparse.Namespace) -> tuple[str, int]:
+    """`--listen HOST:PORT` (or the hidden `--host` / `--port` it replaces) as (host, port)."""
+    if args.listen is not None:
+        if args.host is not None or args.port is not None:
+            raise ConfigError("--listen HOST:PORT says both: give it without --host and --port")
+        return parse_listen(args.listen, "--listen")
+    return (args.host if args.host is not None else "127.0.0.1", args.port if args.port is not None else LAB_PORT)
 
 
 def config_from_args(args: argparse.Namespace) -> LabConfig:
@@ -114,7 +129,7 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
         alloc_conf=args.alloc_conf if args.alloc_conf is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         unified_memory=not args.no_unified_memory, memtel_port=memtel_port,
         memtel_log_dir=args.memtel_log_dir or os.environ.get("MEMTEL_LOG_DIR") or None, hook=not args.no_hook,
-        memtel_addr=args.host,
+        memtel_addr=listen_address(args)[0],
         capacity_bytes=None if args.capacity_gb is None else int(args.capacity_gb * (1 << 30)), tenant=args.tenant,
     )
 
@@ -123,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "lab_command", None) != "serve":
         raise ConfigError("usage: memtel lab serve --arm stock|fixed [options]  (see `memtel lab serve --help`)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    host, listen_port = listen_address(args)
     config = config_from_args(args)
-    return serve(config, host=args.host, port=args.port, model_name=args.model_name or f"lab-{config.mode}")
+    return serve(config, host=host, port=listen_port, model_name=args.model_name or f"lab-{config.mode}")
 
 
 def serve(config: LabConfig, host: str, port: int, model_name: str) -> int:
@@ -136,13 +152,15 @@ def serve(config: LabConfig, host: str, port: int, model_name: str) -> int:
     try:
         httpd = make_server(service, host, port)  # bind first: a port in use fails before any rank starts
     except socket.gaierror as exc:  # a host name that does not resolve, an address that is not one
-        raise ConfigError(f"--host {host!r}: not an address of this machine ({exc.strerror or exc})") from None
+        raise ConfigError(f"--listen {host!r}: not an address of this machine ({exc.strerror or exc})") from None
     except OSError as exc:
         raise listen_failed(host, port, exc) from None
     stopping = threading.Event()
+    received: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal %d: shutting down", signum)
+        received.append(signum)
         stopping.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -169,4 +187,6 @@ def serve(config: LabConfig, host: str, port: int, model_name: str) -> int:
         httpd.shutdown()
         httpd.server_close()
         engine.stop()
+    if status == 0 and received[:1] == [signal.SIGINT]:
+        return INTERRUPTED  # Ctrl-C: 130 as every command (SIGTERM is a clean stop: 0)
     return status

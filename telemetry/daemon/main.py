@@ -36,7 +36,7 @@ from telemetry.daemon.config import (
 )
 from telemetry.daemon.registry import BackgroundCollector, Collector, DaemonCollectors
 from telemetry.daemon.settings import DaemonConfig
-from telemetry.errors import ConfigError
+from telemetry.errors import INTERRUPTED, ConfigError
 
 if TYPE_CHECKING:
     from telemetry.daemon.protect import Protect
@@ -242,4 +242,4 @@ def run(args: argparse.Namespace) -> int:
     for collector in background:
         collector.stop()
     log.info("stopped")
-    return 0
+    return INTERRUPTED if received[:1] == ["SIGINT"] else 0  # Ctrl-C: 130 as every command; SIGTERM: a clean stop

@@ -105,7 +105,13 @@ class ProcessLedger:
                    outside=outside, outside_basis=basis, host_rss=host_rss, reserved=reserved, allocated=allocated)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """For `--json`: rank and pid as numbers (null where the hook's label is no decimal number)."""
+        return {**asdict(self), "rank": label_number(self.rank), "pid": label_number(self.pid)}
+
+
+def label_number(text: str) -> int | None:
+    """A label that counts (a rank, a pid) as a number; None for anything else a hostile endpoint may send."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 10 else None
 
 
 __all__ = ["NODE_LINES", "PROCESS_LINES", "NodeLedger", "ProcessLedger"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from telemetry.errors import printable
-from telemetry.ledger.scrape import HookView, LedgerReport, NodeView
+from telemetry.ledger.scrape import NOT_A_DAEMON, HookView, LedgerReport, NodeView
 
 NAME_CHARS = 64    # a node's name from a label, in a title
 CELL_CHARS = 12    # a rank or pid from a label, in a column
@@ -44,7 +44,8 @@ def node_block(node: NodeView) -> list[str]:
     title = f"node {printable(node.name, NAME_CHARS)}" + (f" ({printable(node.daemon_url, URL_CHARS)})"
                                                          if node.daemon_url else "")
     if node.error is not None:
-        lines = [title, f"  daemon unreachable: {node.error}" if node.daemon_url else f"  {node.error}"]
+        unreachable = node.daemon_url and node.error != NOT_A_DAEMON
+        lines = [title, f"  daemon unreachable: {node.error}" if unreachable else f"  {node.error}"]
     else:
         lines = [title]
         ledger = node.ledger

@@ -143,9 +143,21 @@ KERNEL_ERRORS = {"nv_err_no_memory": catalogue.KERNEL_NV_ERR_NO_MEMORY[1], "xid"
                  "oom_kill": catalogue.KERNEL_OOM_KILLS[1]}   # each kind's events (bursts of lines)
 
 
+# What only a node's daemon exports: every family but those of the serving process (its hook, engine, forecast),
+# of the hook's and the daemon's shared HTTP server, the guard and the lab.
+DAEMON_FAMILIES = tuple(entry for entry in FAMILIES.values()
+                        if entry.source not in ("hook", "engine", "forecast", "exporter", "guard", "lab"))
+NOT_A_DAEMON = f"not a memtel daemon (no memtel_node_* series; the daemon's port is {DAEMON_PORT})"  # fits top's 80
+
+
 def node_view(name: str, scrape_: Scrape) -> NodeView:
-    view = NodeView(name, scrape_.url, error=scrape_.error)
-    if scrape_.error is not None:
+    """A daemon's answer as a node; one that answers without any daemon series (another exporter, a hook, a web
+    server answering 200) is an error, never a node of unknowns."""
+    error = scrape_.error
+    if error is None and not any(scrape_.values(entry) for entry in DAEMON_FAMILIES):
+        error = NOT_A_DAEMON
+    view = NodeView(name, scrape_.url, error=error)
+    if error is not None:
         return view
     shares = [_int(s.value) for s in scrape_.values(catalogue.GPU_PROCESS_MEMORY_USED)]
     gpu_processes = [v for v in shares if v is not None]
@@ -271,5 +283,5 @@ def take_report(daemon_urls: Sequence[str], hook_urls: Sequence[str] | None, *,
     return LedgerReport(time.time(), nodes, unreachable_default_hooks=default_hooks and not hook_scrapes)
 
 
-__all__ = ["DEFAULT_DAEMON", "HookView", "LedgerReport", "NodeView", "Sample", "Scrape", "metrics_url", "scrape",
-           "take_report", "url_list"]
+__all__ = ["DEFAULT_DAEMON", "NOT_A_DAEMON", "HookView", "LedgerReport", "NodeView", "Sample", "Scrape", "metrics_url",
+           "scrape", "take_report", "url_list"]

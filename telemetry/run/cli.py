@@ -1,4 +1,4 @@
-"""`memtel run [--targets SPEC] [--port P] [--addr A] [--log-dir D] [--unresolved-after S] [--] COMMAND...`
+"""`memtel run [--targets SPEC] [--listen HOST:PORT] [--log-dir D] [--unresolved-after S] [--] COMMAND...`
 
 Runs COMMAND with the hook in it and in every Python process it starts, the way opentelemetry-instrument
 and ddtrace-run do it: the bootstrap directory (telemetry/run/bootstrap, a `sitecustomize.py`) goes
@@ -22,7 +22,7 @@ from pathlib import Path
 from telemetry.errors import ConfigError, RunError
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
-USAGE = ("memtel run [--targets SPEC] [--port P] [--addr A] [--log-dir D] [--unresolved-after S] [--] "
+USAGE = ("memtel run [--targets SPEC] [--listen HOST:PORT] [--log-dir D] [--unresolved-after S] [--] "
          "COMMAND [ARGS...]")
 
 
@@ -39,12 +39,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", metavar="SPEC",
                         help='comma-separated "package.module:function", "package.module:Class.method" or presets '
                              "(vllm-sparse-indexer, sglang-sparse-indexer, ...); default: MEMTEL_TARGETS")
-    parser.add_argument("--port", metavar="PORT",
-                        help='exporter base port (each process listens on P + its rank) or "off"; '
-                             "default: MEMTEL_PORT, else 9200")
-    parser.add_argument("--addr", metavar="A",
-                        help="address the exporters listen on; default: MEMTEL_ADDR, else 0.0.0.0 (every interface; "
-                             "127.0.0.1 keeps them on this machine)")
+    parser.add_argument("--listen", metavar="HOST:PORT",
+                        help='where the exporters listen: on HOST, each process on PORT + its rank; "off": no '
+                             "exporter; default: MEMTEL_ADDR:MEMTEL_PORT, else 0.0.0.0:9200 (every interface; "
+                             "127.0.0.1:9200 keeps them on this machine)")
+    # The spellings before --listen (MEMTEL_PORT's and MEMTEL_ADDR's values), kept working; not shown.
+    parser.add_argument("--port", metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--addr", metavar="HOST", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", metavar="D", help="directory of the per-call JSONL logs; default: MEMTEL_LOG_DIR")
     parser.add_argument("--unresolved-after", metavar="S",
                         help='warn after S seconds when no process of the run has hooked anything (default 60; "off")')
@@ -70,12 +71,13 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], pid: int) -> t
     if not env.get("MEMTEL_TARGETS", "").strip():
         raise ConfigError('no hook targets: give --targets SPEC or set MEMTEL_TARGETS ("package.module:function", '
                           '"package.module:Class.method" or preset names, comma-separated)')
-    if args.port is not None:
-        parse_port("--port", args.port)
-        env["MEMTEL_PORT"] = args.port
-    if args.addr is not None:
-        check_listen_addr("--addr", args.addr)
-        env["MEMTEL_ADDR"] = args.addr
+    port_text, addr = exporter_listen(args)
+    if port_text is not None:
+        parse_port("--port" if args.listen is None else "--listen", port_text)
+        env["MEMTEL_PORT"] = port_text
+    if addr is not None:
+        check_listen_addr("--addr" if args.listen is None else "--listen", addr)
+        env["MEMTEL_ADDR"] = addr
     if args.log_dir is not None:
         if not args.log_dir:
             raise ConfigError("--log-dir is empty: expected a directory path")
@@ -98,6 +100,21 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], pid: int) -> t
     if python_path.split(os.pathsep)[0] != BOOTSTRAP_DIR:
         env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + python_path if python_path else "")
     return [executable, *command[1:]], env
+
+
+def exporter_listen(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(MEMTEL_PORT, MEMTEL_ADDR) as `--listen HOST:PORT|off` (or the hidden `--port` / `--addr`) sets them; None:
+    left as the environment has it."""
+    if args.listen is None:
+        return args.port, args.addr
+    if args.port is not None or args.addr is not None:
+        raise ConfigError("--listen HOST:PORT says both: give it without --addr and --port")
+    if args.listen == "off":
+        return "off", None
+    from telemetry.exporter import parse_listen
+
+    host, base = parse_listen(args.listen, "--listen")
+    return str(base), host
 
 
 def check_listen_addr(flag: str, addr: str) -> None:

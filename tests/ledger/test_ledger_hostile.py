@@ -6,6 +6,7 @@ held `--timeout 2` for over 60 s."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -179,6 +180,27 @@ def test_top_interval_0_says_what_is_wrong_with_the_interval(capsys):
 def test_an_unreachable_daemon_exits_1_in_ledger_and_top(capsys, command):
     code, out, _ = run(capsys, *command, "--daemon", refused_url(), "--hooks", refused_url())
     assert code == 1 and "daemon unreachable: Connection refused" in out
+
+
+@pytest.mark.parametrize("command", [("ledger",), ("top", "--once")])
+@pytest.mark.parametrize("body", [b"# another exporter\nnode_memory_MemTotal_bytes 1e9\n", b"",
+                                  b'memtel_hook_calls_total{rank="0",site="s"} 3\n'], ids=["exporter", "empty", "hook"])
+def test_a_port_that_is_not_a_memtel_daemon_exits_1_with_one_line_saying_so(serve, capsys, command, body):
+    """Issue 40: pointed at another exporter (or a hook), both printed a node of `?` and exited 0."""
+    other = serve(answer(body))
+    hook = serve(answer(b'memtel_hook_calls_total{rank="0",site="s"} 3\n'))  # a hook that answers: exit 0 by itself
+    code, out, _ = run(capsys, *command, "--daemon", other, "--hooks", hook)
+    assert code == 1
+    assert out.count("  not a memtel daemon (no memtel_node_* series; the daemon's port is 9101)\n") == 1, out
+
+
+def test_json_gives_rank_and_pid_as_numbers_and_null_for_a_label_that_is_none(serve, capsys):
+    daemon = serve(answer(b"memtel_node_mem_total_bytes 1e9\n"))
+    hooks = [serve(answer(b'memtel_engine_weights_bytes{rank="%s",node="n",pid="%s"} 5\n' % pair))
+             for pair in ((b"1", b"4242"), (b"x\x1b", b"-3"))]
+    code, out, _ = run(capsys, "ledger", "--daemon", daemon, "--hooks", ",".join(hooks), "--json")
+    processes = json.loads(out)["nodes"][0]["processes"]
+    assert code == 0 and [(p["rank"], p["pid"]) for p in processes] == [(1, 4242), (None, None)]
 
 
 def test_the_node_is_named_as_its_hooks_name_it(serve):

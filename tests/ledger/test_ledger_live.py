@@ -117,7 +117,7 @@ def test_ledger_json_for_a_pair_of_nodes(pair):
         (process,) = node["processes"]
         want = pair.expected[node["node"]]
         assert process["hook"] == pair.hooks[node["node"]] and process["error"] is None
-        assert process["pid"] == str(pair.pids[node["node"]]) and process["rank"] == "0"
+        assert process["pid"] == pair.pids[node["node"]] and process["rank"] == 0  # numbers, for scripts
         assert (process["weights"], process["kv_cache"]) == (want["weights_bytes"], want["kv_cache_bytes"])
         assert process["host_rss"] > 0
         # a CPU process: no allocator, so these are unknown (null), never 0

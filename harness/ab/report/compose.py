@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.ab.report.extras import EXTRAS_FILE, ReportExtras, load_extras, save_extras
 from harness.ab.report.load import RunData, load_run
 from harness.ab.report.markdown import Document, Section
 from harness.ab.report.metrics import RunMetrics, compute_metrics
@@ -86,10 +87,18 @@ class Report:
         """
         from harness.ab.rundir import inside_run_dir, private_files
 
-        for name in (REPORT_FILE, SUMMARY_FILE, PLOTS_DIR):  # a symbolic link planted there is refused
+        for name in (REPORT_FILE, SUMMARY_FILE, PLOTS_DIR, EXTRAS_FILE):  # a symbolic link planted there is refused
             inside_run_dir(self.run.run_dir, name, what="the report's")
+        extras = ReportExtras(tuple(extra_sections), notes, plot_caveats)
         with private_files():
+            if extras:  # kept for `memtel ab report` to write again (harness/ab/report/extras.py)
+                save_extras(self.run.run_dir, extras)
             return self._write(extra_sections, notes, plot_caveats)
+
+    def write_again(self) -> Path:
+        """Write the report again with what its first writer added (the demo's section, notes, plot caveats)."""
+        extras = load_extras(self.run.run_dir)
+        return self.write(extras.sections, extras.notes, extras.plot_caveats)
 
     def _write(self, extra_sections: Sequence[Section], notes: Mapping[str, Sequence[str]] | None,
                plot_caveats: Mapping[str, str] | None = None) -> Path:
