@@ -7,6 +7,9 @@ if room came. So the hook listens itself: `ClientWatch`, an ASGI middleware put 
 callbacks load (`install`), keeps each HTTP request's `receive` in a context variable, and `left()` waits on it
 for `http.disconnect`, which the server answers once the connection is lost. The hook calls it only while it
 holds a prompt, after LiteLLM has read the whole body: nothing else is taken from the channel.
+
+`on_end(callback)` runs `callback` when the request's app call ends, however it ends (answered, streamed to
+the end, abandoned mid-stream, its client gone, cancelled): the gate ends a hold there whatever LiteLLM logs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 _RECEIVE: ContextVar[Receive | None] = ContextVar("memtel_litellm_receive", default=None)
+_ENDINGS: ContextVar[list[Callable[[], None]] | None] = ContextVar("memtel_litellm_endings", default=None)
 PROXY_MODULE = "litellm.proxy.proxy_server"
 
 
@@ -37,10 +41,15 @@ class ClientWatch:
             await self.app(scope, receive, send)
             return
         token = _RECEIVE.set(receive)
+        endings: list[Callable[[], None]] = []
+        ending = _ENDINGS.set(endings)
         try:
             await self.app(scope, receive, send)
         finally:
+            _ENDINGS.reset(ending)
             _RECEIVE.reset(token)
+            for callback in endings:
+                callback()
 
 
 def install() -> bool:
@@ -68,6 +77,15 @@ def watched() -> bool:
     return _RECEIVE.get() is not None
 
 
+def on_end(callback: Callable[[], None]) -> bool:
+    """Run `callback` when this request ends, however; False where it is not watched (nothing will call it)."""
+    endings = _ENDINGS.get()
+    if endings is None:
+        return False
+    endings.append(callback)
+    return True
+
+
 async def left() -> None:
     """Returns when this request's client has closed its connection; never, where it cannot be watched."""
     receive = _RECEIVE.get()
@@ -78,4 +96,4 @@ async def left() -> None:
         pass
 
 
-__all__ = ["ClientWatch", "install", "left", "watched"]
+__all__ = ["ClientWatch", "install", "left", "on_end", "watched"]

@@ -6,14 +6,21 @@ would be sent on to the provider. Each distinct set of hooks gets one `LimitTrac
 proxy's event loop from the first request that needs it; the first request waits (at most the scrape timeout)
 for the first answers instead of passing blind.
 
-The scrape (`scrape_loop`) reads each hook's answer with httpx and hands it to the guard's own parser and
-tracker (`parse_hook`, `LimitTracker.record`): the guard's h11 client (`fetch_metrics`) needs an
-`asyncio.Transport`, and LiteLLM's proxy always runs on uvloop, whose transports are not one.
+Each hook is scraped by a task of its own (`scrape`), so one slow hook never holds back the others' readings:
+its whole answer within MEMTEL_LITELLM_TIMEOUT_S, read at most MAX_HOOK_BYTES far, with httpx (the guard's h11
+client needs an `asyncio.Transport`, and LiteLLM's proxy runs on uvloop), parsed by the guard's parser in a worker
+thread and bounded (`bounded`: tokens <= 2^31, bytes <= MAX_NODE_BYTES) before the guard's `LimitTracker` sees
+it. The loop is supervised: a failure is logged once per kind, counted, and the scrapes go on.
+
+The pool: a deployment whose hook or engine refuses a connection leaves it (`GaugeBook.leave`) and the gate
+decides again without it, until its hooks answer again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -22,16 +29,26 @@ from typing import Any
 
 import httpx
 
-from telemetry.errors import ConfigError, shown
-from telemetry.guard.limit import MAX_METRICS_BYTES, HookState, Limit, LimitTracker, parse_hook
+from telemetry.errors import ConfigError, printable, shown
+from telemetry.guard.limit import MAX_METRICS_BYTES, HookState, Limit, LimitTracker, RankFit, parse_hook
 from telemetry.guard.refusal import ContextLength
 from telemetry.url import Endpoint, parse_url
 
 HOOKS_KEY = "memtel_hooks"
+log = logging.getLogger("memtel.litellm")
 PIN_KEY = "memtel_deployment"  # the request's metadata: the deployment the pre-call hook admitted it to
 ENV = {"hold_s": "MEMTEL_LITELLM_HOLD_S", "stale_s": "MEMTEL_LITELLM_STALE_S",
        "reserve_mb": "MEMTEL_LITELLM_RESERVE_MB", "timeout_s": "MEMTEL_LITELLM_TIMEOUT_S"}
-EXPECTED = {"hold_s": "seconds >= 0", "stale_s": "seconds > 0", "reserve_mb": "MiB >= 0", "timeout_s": "seconds > 0"}
+MAX_RESERVE_MB = 16 << 20  # 16 TiB, as `memtel guard --reserve-mb`: more than any node has
+# Each setting's range [floor, ceiling]. A staleness under a second, or a scrape timeout under 50 ms, would
+# keep every hook stale or every scrape failed: the gate would be blind for good, which is protection off.
+RANGES = {"hold_s": (0.0, 3600.0), "stale_s": (1.0, 86400.0), "reserve_mb": (0.0, float(MAX_RESERVE_MB)),
+          "timeout_s": (0.05, 60.0)}
+UNITS = {"hold_s": "seconds", "stale_s": "seconds", "reserve_mb": "MiB", "timeout_s": "seconds"}
+# What a hook may say and still be believed (tokens and bytes past these are a broken or hostile exporter).
+MAX_TOKENS = 1 << 31
+MAX_NODE_BYTES = MAX_RESERVE_MB << 20
+MAX_HOOK_BYTES = MAX_METRICS_BYTES
 
 
 @dataclass(frozen=True)
@@ -39,7 +56,7 @@ class GateSettings:
     hold_s: float = 10.0  # how long a prompt that does not fit now waits for the limit to rise
     stale_s: float = 15.0  # as `memtel guard --stale-s`
     reserve_mb: float = 0.0  # as `memtel guard --reserve-mb`
-    timeout_s: float = 2.0  # one scrape of a hook, one /tokenize or /v1/models of an upstream
+    timeout_s: float = 2.0  # one scrape of a hook (its whole answer), one /v1/models of an upstream
 
     @property
     def poll_s(self) -> float:
@@ -47,7 +64,7 @@ class GateSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GateSettings:
-        """The settings from MEMTEL_LITELLM_* (ConfigError, one line, for a value that is not a number >= 0)."""
+        """The settings from MEMTEL_LITELLM_* (ConfigError, one line, for a value outside its range)."""
         env = os.environ if env is None else env
         values: dict[str, float] = {}
         for name, variable in ENV.items():
@@ -58,9 +75,10 @@ class GateSettings:
                 value = float(text)
             except ValueError:
                 value = float("nan")
-            if not value >= 0 or value == float("inf") or (name in ("stale_s", "timeout_s") and value == 0):
-                raise ConfigError(f"{variable}={shown(text)}: expected a finite number of {EXPECTED[name]} "
-                                  f"(default {getattr(cls, name):g})")
+            low, high = RANGES[name]
+            if not low <= value <= high:  # NaN fails both
+                raise ConfigError(f"{variable}={shown(text)}: expected a number of {UNITS[name]} from {low:g} to "
+                                  f"{high:g} (default {getattr(cls, name):g})")
             values[name] = value
         return cls(**values)
 
@@ -92,34 +110,66 @@ def upstream_root(deployment: Mapping[str, Any]) -> str | None:
 
 @dataclass(frozen=True)
 class Room:
-    """One deployment and the limit in force on it now (None: blind)."""
+    """One deployment and the limit in force on it now (None: blind); `left`: why it is out of the pool."""
 
     deployment: dict[str, Any]
     tracker: LimitTracker
     limit: Limit | None
+    left: str | None = None
 
 
 def roomiest(rooms: Sequence[Room], tokens: int | None = None) -> Room | None:
-    """The deployment that can take the most now, if `tokens` (when given) fit it; None where none is seen or fits.
+    """The deployment in the pool that can take the most now, if `tokens` (when given) fit it; None where none
+    is seen or fits.
 
     The most room left after a prompt is the largest limit, whatever the prompt; a prompt that does not fit the
     largest fits none, so the guard's decision against that one deployment is the decision for the group.
     """
-    best = max((r for r in rooms if r.limit is not None), key=lambda r: r.limit.tokens if r.limit else 0, default=None)
+    best = max((r for r in rooms if r.limit is not None and r.left is None),
+               key=lambda r: r.limit.tokens if r.limit else 0, default=None)
     if best is None or best.limit is None or (tokens is not None and tokens > best.limit.tokens):
         return None
     return best
 
 
+def bounded(fits: list[RankFit]) -> tuple[list[RankFit], list[str]]:
+    """The ranks whose readings are within what a node can have (tokens <= 2^31, bytes <= MAX_NODE_BYTES), and
+    why each other one is left out: one absurd gauge never reaches the limit's arithmetic."""
+    kept, rejected = [], []
+    for fit in fits:
+        bad = [f"{what} {value:g} is over {most:g}" for what, value, most in (
+            ("max prefill tokens", fit.max_prefill_tokens, MAX_TOKENS),
+            ("at-best tokens", fit.at_best_tokens or 0, MAX_TOKENS),
+            ("fit budget bytes", fit.budget_bytes or 0.0, MAX_NODE_BYTES),
+            ("forecast bytes", max((b for _t, b in fit.growth_bytes), default=0.0), MAX_NODE_BYTES))
+            if value > most]
+        if bad:
+            rejected.append(f"rank {fit.rank} on node {fit.node}: {', '.join(bad)}")
+        else:
+            kept.append(fit)
+    return kept, rejected
+
+
+def read_hook(body: bytes) -> tuple[list[RankFit], list[str]]:
+    """A hook's answer, parsed by the guard's parser and bounded (in a worker thread: it can be megabytes)."""
+    fits, rejected = parse_hook(body.decode("utf-8", "replace"))
+    kept, absurd = bounded(fits)
+    return kept, [*rejected, *absurd]
+
+
 class GaugeBook:
-    """One LimitTracker per set of hooks, scraped on the running loop; max-model-len per upstream."""
+    """One LimitTracker per set of hooks, each hook scraped by its own task on the running loop; max-model-len
+    per upstream; the pool: the trackers whose deployment refused a connection, until they answer again."""
 
     def __init__(self, settings: GateSettings) -> None:
         self.settings = settings
         self._trackers: dict[tuple[str, ...], LimitTracker] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._contexts: dict[str, ContextLength] = {}
+        self._left: dict[int, tuple[float, str]] = {}  # id(tracker): (monotonic time it left, why)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.loop_failures = 0  # a scrape loop's failures that were not a hook's (logged once each kind)
+        self._logged: set[str] = set()
 
     def _for_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -137,23 +187,41 @@ class GaugeBook:
         found = LimitTracker(list(hooks), stale_s=self.settings.stale_s,
                              reserve_bytes=self.settings.reserve_mb * (1 << 20))
         self._trackers[key] = found
-        self._tasks.append(asyncio.get_running_loop().create_task(
-            scrape_loop(found, self.settings.poll_s, self.settings.timeout_s)))
+        loop = asyncio.get_running_loop()
+        self._tasks.extend(loop.create_task(self._scrape_forever(found, hook)) for hook in found.hooks)
         return found, True
 
     async def rooms(self, deployments: Sequence[dict[str, Any]]) -> list[Room]:
-        """The deployments that name hooks, each with its limit now."""
-        found, new = [], []
+        """The deployments that name hooks, each with its limit now and whether it is out of the pool."""
+        found = []
         for deployment in deployments:
             hooks = deployment_hooks(deployment)
             if hooks:
-                tracker, fresh_tracker = self.tracker(hooks)
-                found.append((deployment, tracker))
-                if fresh_tracker:
-                    new.append(tracker)
-        if new:
-            await _first_answers(new, self.settings.timeout_s)
-        return [Room(deployment, tracker, tracker.limit()) for deployment, tracker in found]
+                found.append((deployment, self.tracker(hooks)[0]))
+        pending = [t for _d, t in found if any(h.scraped_at is None and h.error is None for h in t.hooks)]
+        if pending:  # every request that comes before a hook's first answer waits for it, not only the first
+            await _first_answers(pending, self.settings.timeout_s)
+        return [Room(deployment, tracker, tracker.limit(), self.left(tracker)) for deployment, tracker in found]
+
+    def leave(self, tracker: LimitTracker, reason: str) -> None:
+        """The deployment of `tracker` refused a connection: out of the pool until every hook has answered again
+        and `stale_s` has passed (a restarted engine, or one that was only slow to accept)."""
+        if id(tracker) not in self._left:
+            log.warning("memtel: a deployment leaves the pool: %s", printable(reason, 300))
+        self._left[id(tracker)] = (time.monotonic(), reason)
+
+    def left(self, tracker: LimitTracker) -> str | None:
+        """Why `tracker`'s deployment is out of the pool, or None while it is in it."""
+        found = self._left.get(id(tracker))
+        if found is None:
+            return None
+        at, reason = found
+        if time.monotonic() - at >= self.settings.stale_s and all(
+                h.scraped_at is not None and h.scraped_at > at for h in tracker.hooks):
+            del self._left[id(tracker)]
+            log.warning("memtel: a deployment is back in the pool (%s)", ", ".join(h.target.url for h in tracker.hooks))
+            return None
+        return reason
 
     def context(self, root: str) -> ContextLength:
         return self._contexts.setdefault(root, ContextLength())
@@ -163,33 +231,68 @@ class GaugeBook:
             task.cancel()
         self._tasks.clear()
         self._trackers.clear()
+        self._left.clear()
+
+    async def _scrape_forever(self, tracker: LimitTracker, hook: HookState) -> None:
+        """Scrape one hook every poll, on its own: a slow hook costs only its own reading. Supervised: a failure
+        that is not the hook's is logged once per kind, counted, and the loop goes on."""
+        poll_s = self.settings.poll_s
+        async with httpx.AsyncClient(trust_env=False) as client:
+            while True:
+                started = time.monotonic()
+                await self._scrape_once(tracker, hook, client)
+                await asyncio.sleep(max(0.0, poll_s - (time.monotonic() - started)))
+
+    async def _scrape_once(self, tracker: LimitTracker, hook: HookState, client: httpx.AsyncClient) -> None:
+        try:
+            if await scrape(tracker, hook, self.settings.timeout_s, client):
+                self.leave(tracker, f"its hook {hook.target.url} refused the connection")
+            tracker.limit()  # a blind episode starts and ends with the hooks (the tracker logs it)
+        except Exception as exc:  # never the end of the scrapes: the gate would go on with a stale limit
+            self.loop_failures += 1
+            kind = type(exc).__name__
+            if kind not in self._logged:
+                self._logged.add(kind)
+                log.error("memtel: a hook scrape failed (%s: %s); scrapes go on", kind, printable(str(exc), 200))
+            tracker.record(hook, None, f"{kind}: {exc}"[:200])
 
 
-async def scrape(client: httpx.AsyncClient, tracker: LimitTracker, hook: HookState) -> None:
-    """One scrape of one hook, recorded in the tracker as `memtel guard` records it."""
+async def scrape(tracker: LimitTracker, hook: HookState, timeout_s: float,
+                 client: httpx.AsyncClient | None = None) -> bool:
+    """One scrape of one hook, recorded in the tracker as `memtel guard` records it: the whole answer within
+    `timeout_s`, at most MAX_HOOK_BYTES read (a longer one is dropped unread). True: the hook refused the
+    connection."""
     target = hook.target
-    headers = {"Authorization": target.authorization} if target.authorization else {}
+    headers = {"Connection": "close"}  # as the guard's scrape: a hook that is gone refuses the next one
+    if target.authorization:
+        headers["Authorization"] = target.authorization
+
+    async def read(session: httpx.AsyncClient) -> bytes:
+        async with session.stream("GET", target.url, headers=headers) as answer:
+            if answer.status_code != 200:
+                raise ValueError(f"answered HTTP {answer.status_code}")
+            chunks, size = [], 0
+            async for chunk in answer.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_HOOK_BYTES:
+                    raise ValueError(f"answered more than {MAX_HOOK_BYTES} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
     try:
-        answer = await client.get(target.url, headers=headers)
-        if answer.status_code != 200:
-            raise ValueError(f"answered HTTP {answer.status_code}")
-        if len(answer.content) > MAX_METRICS_BYTES:
-            raise ValueError(f"answered more than {MAX_METRICS_BYTES} bytes")
-        fits, rejected = await asyncio.to_thread(parse_hook, answer.content.decode("utf-8", "replace"))
-    except (httpx.HTTPError, ValueError) as exc:
+        async with contextlib.AsyncExitStack() as stack:
+            session = client if client is not None else await stack.enter_async_context(
+                httpx.AsyncClient(trust_env=False))
+            body = await asyncio.wait_for(read(session), timeout_s)
+        fits, rejected = await asyncio.to_thread(read_hook, body)
+    except httpx.ConnectError as exc:
         tracker.record(hook, None, f"{type(exc).__name__}: {exc}"[:200])
+        return True
+    except (httpx.HTTPError, ValueError, asyncio.TimeoutError) as exc:
+        tracker.record(hook, None, f"{type(exc).__name__}: {str(exc) or 'no whole answer in time'}"[:200])
     else:
         tracker.record(hook, fits, None, rejected)
-
-
-async def scrape_loop(tracker: LimitTracker, poll_s: float, timeout_s: float) -> None:
-    """Scrape every hook of `tracker` every `poll_s` (all at once), as the guard's `scrape_forever` does."""
-    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
-        while True:
-            started = time.monotonic()
-            await asyncio.gather(*(scrape(client, tracker, h) for h in tracker.hooks))
-            tracker.limit()
-            await asyncio.sleep(max(0.0, poll_s - (time.monotonic() - started)))
+    return False
 
 
 async def _first_answers(trackers: list[LimitTracker], timeout_s: float) -> None:
@@ -199,5 +302,5 @@ async def _first_answers(trackers: list[LimitTracker], timeout_s: float) -> None
         await asyncio.sleep(0.01)
 
 
-__all__ = ["ENV", "HOOKS_KEY", "PIN_KEY", "GateSettings", "GaugeBook", "Room", "deployment_hooks", "deployment_id",
-           "roomiest", "scrape", "scrape_loop", "upstream_root"]
+__all__ = ["ENV", "HOOKS_KEY", "MAX_NODE_BYTES", "MAX_TOKENS", "PIN_KEY", "RANGES", "GateSettings", "GaugeBook",
+           "Room", "bounded", "deployment_hooks", "deployment_id", "read_hook", "roomiest", "scrape", "upstream_root"]

@@ -4,6 +4,7 @@ LiteLLM's proxy has no config key for a `CustomRoutingStrategyBase` (only `Route
 which a router re-init undoes), but every `CustomLogger` callback may narrow the healthy deployments of a
 group before the routing strategy picks (`async_filter_deployments`). This one leaves one deployment:
 
+- never a deployment out of the gate's pool (it refused a connection), unless no other is left;
 - the one the pre-call hook admitted the request to (metadata `memtel_deployment`), when it is healthy;
 - else the deployment with hooks that can take the most now, if the prompt fits it by its words (a lower
   bound: the pre-call hook, not the router, refuses);
@@ -18,8 +19,9 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 
 from telemetry.guard.prompt import CHAT_COMPLETIONS, PromptError, measure
+from telemetry.litellm.gate import Gate
 from telemetry.litellm.gauges import PIN_KEY, GaugeBook, deployment_id, roomiest
-from telemetry.litellm.pre_call import BOOK
+from telemetry.litellm.pre_call import GATE
 
 
 def pinned(request_kwargs: Mapping[str, Any] | None) -> str | None:
@@ -31,13 +33,15 @@ def pinned(request_kwargs: Mapping[str, Any] | None) -> str | None:
 
 
 class MemtelRouting(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type information
-    def __init__(self, book: GaugeBook = BOOK) -> None:
+    def __init__(self, gate: Gate = GATE) -> None:
         super().__init__()
-        self.book = book
+        self.gate = gate
+        self.book: GaugeBook = gate.book
 
     async def async_filter_deployments(self, model: str, healthy_deployments: list[dict[str, Any]],
                                        messages: list[Any] | None, request_kwargs: dict[str, Any] | None = None,
                                        parent_otel_span: Any = None) -> list[dict[str, Any]]:
+        healthy_deployments = [d for d in healthy_deployments if self.gate.in_pool(d)] or healthy_deployments
         chosen = pinned(request_kwargs)
         if chosen is not None:
             found = [d for d in healthy_deployments if deployment_id(d) == chosen]

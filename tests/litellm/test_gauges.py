@@ -5,14 +5,16 @@ ProxyException arguments."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from telemetry.errors import ConfigError
-from telemetry.guard.limit import Limit, LimitTracker, RankFit
+from telemetry.guard.limit import MAX_METRICS_BYTES, Limit, LimitTracker, RankFit
 from telemetry.guard.refusal import refusal_for
-from telemetry.litellm.gauges import GateSettings, GaugeBook, Room, deployment_hooks, roomiest, upstream_root
+from telemetry.litellm.gauges import GateSettings, GaugeBook, Room, deployment_hooks, roomiest, scrape, upstream_root
 from telemetry.litellm.refusals import proxy_exception_kwargs
+from telemetry.url import parse_url
 from tests.guard.servers import StubHook, exposition
 
 
@@ -41,6 +43,20 @@ def test_settings_from_env_and_bad_values() -> None:
                             ("MEMTEL_LITELLM_RESERVE_MB", "nan"), ("MEMTEL_LITELLM_TIMEOUT_S", "soon")):
         with pytest.raises(ConfigError, match=variable):
             GateSettings.from_env({variable: value})
+
+
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("MEMTEL_LITELLM_STALE_S", "1e-9", "seconds from 1 to 86400 (default 15)"),
+    ("MEMTEL_LITELLM_TIMEOUT_S", "1e-9", "seconds from 0.05 to 60 (default 2)"),
+    ("MEMTEL_LITELLM_RESERVE_MB", "1e300", "MiB from 0 to 1.67772e+07 (default 0)"),
+    ("MEMTEL_LITELLM_HOLD_S", "inf", "seconds from 0 to 3600 (default 10)")])
+def test_settings_that_would_turn_the_gate_off_or_refuse_all_are_refused(variable: str, value: str,
+                                                                         expected: str) -> None:
+    """A staleness or timeout of a nanosecond keeps every hook stale (the gate blind, so off); a reserve of 1e300
+    MiB refuses everything: each is one line naming the variable, the value and the range."""
+    with pytest.raises(ConfigError) as caught:
+        GateSettings.from_env({variable: value})
+    assert str(caught.value) == f"{variable}='{value}': expected a number of {expected}"
 
 
 def test_deployment_hooks_and_upstream_root() -> None:
@@ -95,8 +111,143 @@ def test_a_permanent_refusal_maps_to_a_400_that_says_no_retry() -> None:
     assert permanent["param"] == "messages"
     assert permanent["provider_specific_fields"]["code"] == "context_length_exceeded"
     assert permanent["provider_specific_fields"]["prompt_tokens"] == 1_200_000
+    assert permanent["message"].startswith("memtel's LiteLLM gate: ") and "memtel guard" not in permanent["message"]
     transient = proxy_exception_kwargs(refusal_for(500_000, "words", limit, 1_100_000, "messages"))
     assert transient["code"] == 503
     assert transient["headers"] == {"Retry-After": "10", "x-should-retry": "true"}
     assert transient["provider_specific_fields"]["reason"] == "would_not_fit"
     assert "message" not in transient["provider_specific_fields"]
+    assert transient["message"].startswith("memtel's LiteLLM gate: the prompt has at least 500,000 tokens")
+
+
+# -- reading hooks -------------------------------------------------------------------------------------------------
+
+class RawHook:
+    """A hook exporter that answers as a test says, on the test's own loop: `trickle` (its head, then a byte every
+    0.1 s, forever: every single read is quick) or `flood` (a head saying 500 MB, then 64 KiB chunks until the
+    reader stops). `written`: the body bytes it got out."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.written = 0
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._answer, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 500000000\r\n\r\n")
+            piece = b"#" * (64 << 10) if self.mode == "flood" else b"#"
+            while self.written < 500_000_000:
+                writer.write(piece)
+                await writer.drain()
+                self.written += len(piece)
+                if self.mode == "trickle":
+                    await asyncio.sleep(0.1)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def test_one_slow_hook_of_two_does_not_blind_its_deployment() -> None:
+    """A deployment's two ranks: one hook trickles its answer a byte at a time for ever. The other is read every
+    poll all the same, and the slow one fails by the whole answer's deadline."""
+    good = StubHook(lambda: exposition(270_000, node="good"))
+    slow = RawHook("trickle")
+    try:
+        async def main() -> tuple[float, str | None, Limit | None]:
+            book = GaugeBook(GateSettings(stale_s=1, timeout_s=0.3))
+            try:
+                rooms = await book.rooms([deployment("d", [good.url, await slow.start()])])
+                tracker = rooms[0].tracker
+                await asyncio.sleep(2.0)  # twice the staleness
+                fast, trickling = tracker.hooks
+                assert fast.scraped_at is not None
+                return time.monotonic() - fast.scraped_at, trickling.error, tracker.limit()
+            finally:
+                book.close()
+                slow.close()
+
+        age, error, limit = asyncio.run(main())
+    finally:
+        good.stop()
+    assert age < 0.8
+    assert error is not None and "no whole answer in time" in error
+    assert limit is not None and limit.tokens == 270_000
+
+
+def test_a_500_mb_hook_answer_is_cut_while_it_is_read() -> None:
+    flood = RawHook("flood")
+
+    async def main() -> tuple[str | None, float]:
+        tracker = LimitTracker([parse_url(await flood.start())], stale_s=15)
+        started = time.monotonic()
+        try:
+            await scrape(tracker, tracker.hooks[0], timeout_s=30)
+        finally:
+            flood.close()
+        return tracker.hooks[0].error, time.monotonic() - started
+
+    error, took = asyncio.run(main())
+    assert error is not None and f"more than {MAX_METRICS_BYTES} bytes" in error
+    assert flood.written < MAX_METRICS_BYTES + (16 << 20)  # what the sockets' buffers hold past the cut
+    assert took < 5
+
+
+def test_an_absurd_gauge_is_left_out_and_said_not_raised() -> None:
+    """1e308 tokens and bytes (with a reserve, the guard's scaling would overflow): the rank is left out, the
+    deployment is blind and says why, and the scrapes go on."""
+    absurd = StubHook(lambda: exposition(int(1e308), budget=1e308))
+    try:
+        async def main() -> tuple[Limit | None, str, int]:
+            book = GaugeBook(GateSettings(stale_s=1, timeout_s=1, reserve_mb=1))
+            try:
+                rooms = await book.rooms([deployment("d", [absurd.url])])
+                scrapes = absurd.scrapes
+                await asyncio.sleep(book.settings.poll_s * 2.5)
+                return rooms[0].limit, rooms[0].tracker.why_blind(), absurd.scrapes - scrapes
+            finally:
+                book.close()
+
+        limit, why, later = asyncio.run(main())
+    finally:
+        absurd.stop()
+    assert limit is None
+    assert "max prefill tokens 1e+308 is over 2.14748e+09" in why and "fit budget bytes 1e+308" in why
+    assert later >= 2
+
+
+def test_a_hook_that_refuses_the_connection_takes_its_deployment_out_of_the_pool() -> None:
+    hook = StubHook(lambda: exposition(270_000))
+    stopped = False
+    try:
+        async def main() -> tuple[str | None, str | None]:
+            nonlocal stopped
+            book = GaugeBook(GateSettings(stale_s=3, timeout_s=0.5))
+            try:
+                before = (await book.rooms([deployment("d", [hook.url])]))[0]
+                hook.stop()
+                stopped = True
+                deadline = time.monotonic() + 3
+                while (after := (await book.rooms([deployment("d", [hook.url])]))[0]).left is None:
+                    assert time.monotonic() < deadline, "the deployment never left the pool"
+                    await asyncio.sleep(0.05)
+                assert after.limit is not None  # its last forecast still looked fresh: the pool, not staleness
+                return before.left, after.left
+            finally:
+                book.close()
+
+        before, after = asyncio.run(main())
+    finally:
+        if not stopped:
+            hook.stop()
+    assert before is None and after is not None and "refused the connection" in after
+    assert roomiest([Room(deployment("d", []), LimitTracker([], stale_s=3), room("d", 1000).limit, after)]) is None

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -43,6 +45,9 @@ MAX_MODEL_LEN = 600_000
 HOLD_S = 2.0  # short: a prompt held longer than a prefill ahead is retried by the client (Retry-After)
 CAPACITIES = {"small": 1.0, "big": 2.0}
 BAD_HOLD = "abc"  # MEMTEL_LITELLM_HOLD_S of the proxy that must not start
+_SHIPPED_DEPLOYMENT = yaml.safe_load(SHIPPED.read_text())["model_list"][0]
+GROUP = _SHIPPED_DEPLOYMENT["model_name"]  # what clients ask for: the shipped config's model group
+SERVED = _SHIPPED_DEPLOYMENT["litellm_params"]["model"].split("/", 1)[1]  # the engine's own name, as shipped
 
 
 def node_command(port: int, hook_port: int, capacity_gb: float) -> list[str]:
@@ -50,7 +55,7 @@ def node_command(port: int, hook_port: int, capacity_gb: float) -> list[str]:
     args[args.index("--max-model-len") + 1] = str(MAX_MODEL_LEN)
     return [str(ROOT / ".venv" / "bin" / "python"), "-m", "telemetry", "lab", "serve", *args, "--capacity-gb",
             repr(capacity_gb), "--time-scale", "0.01", "--host", "127.0.0.1", "--port", str(port), "--memtel-port",
-            str(hook_port), "--model-name", "lab"]
+            str(hook_port), "--model-name", SERVED]
 
 
 def forecast_out(url: str) -> bool:
@@ -71,11 +76,11 @@ class Stack:
         self.key = f"sk-memtel-test-{secrets.token_hex(16)}"
 
     def config(self) -> Path:
-        """configs/litellm/config.yaml as shipped, its two deployments pointed at the lab nodes."""
+        """configs/litellm/config.yaml as shipped (its group, its deployments' model), the two deployments pointed
+        at the lab nodes, which serve the shipped config's model name."""
         config = yaml.safe_load(SHIPPED.read_text())
         for entry, (name, (port, hook)) in zip(config["model_list"], self.ports.items(), strict=True):
-            entry["model_name"] = "lab"
-            entry["litellm_params"].update(model="openai/lab", api_base=f"http://127.0.0.1:{port}/v1")
+            entry["litellm_params"].update(api_base=f"http://127.0.0.1:{port}/v1")
             entry["model_info"].update(id=name, memtel_hooks=[f"http://127.0.0.1:{hook}"])
         path = self.tmp / "config.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -99,6 +104,7 @@ class Stack:
         nodes = {name: Process(node_command(port, hook, CAPACITIES[name]), self.tmp / f"{name}.log", FORECAST_ENV)
                  for name, (port, hook) in self.ports.items()}
         self.processes.extend(nodes.values())
+        self.nodes = nodes
 
         def node(name: str) -> None:
             try:
@@ -142,7 +148,7 @@ class Stack:
                    for port, _ in self.ports.values())
 
     def chat(self, words: int, seed: int, client: httpx.Client | None = None) -> httpx.Response:
-        body = {"model": "lab", "max_tokens": 4, "messages": [{"role": "user", "content": prompt_text(words, seed)}]}
+        body = {"model": GROUP, "max_tokens": 4, "messages": [{"role": "user", "content": prompt_text(words, seed)}]}
         return (client or httpx).post(f"http://127.0.0.1:{self.proxy_port}/v1/chat/completions", json=body,
                                       headers={"Authorization": f"Bearer {self.key}"}, timeout=120)
 
@@ -179,7 +185,7 @@ def test_a_long_prompt_goes_to_the_big_node(stack: Stack) -> None:
 
 
 def sdk_chat(client: Any, words: str, stream: bool = False) -> Any:
-    return client.chat.completions.create(model="lab", max_tokens=4, stream=stream,
+    return client.chat.completions.create(model=GROUP, max_tokens=4, stream=stream,
                                           messages=[{"role": "user", "content": words}])
 
 
@@ -259,7 +265,7 @@ class LongCall:
         time.sleep(0.5)  # it is admitted (its hold taken) before a second prompt asks
 
     def send(self) -> None:
-        body = {"model": "lab", "max_tokens": LONG_ANSWER,
+        body = {"model": GROUP, "max_tokens": LONG_ANSWER,
                 "messages": [{"role": "user", "content": prompt_text(300_000, 6)}]}
         self.response = httpx.post(f"{self.stack.url}/v1/chat/completions", json=body, timeout=120,
                                    headers={"Authorization": f"Bearer {self.stack.key}"})
@@ -333,7 +339,7 @@ def test_a_client_that_leaves_while_held_ends_the_hold_at_once(stack: Stack, lon
     proxy's log says so, with how long it was held) and nothing reaches a node, then or at the hold's end."""
     long_call.prefilled()
     words = prompt_text(300_000, 8)
-    body = json.dumps({"model": "lab", "max_tokens": 4, "messages": [{"role": "user", "content": words}]}).encode()
+    body = json.dumps({"model": GROUP, "max_tokens": 4, "messages": [{"role": "user", "content": words}]}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{stack.proxy_port}\r\n"
             f"Authorization: Bearer {stack.key}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
@@ -372,7 +378,7 @@ def test_a_prompt_behind_a_long_call_is_held_then_served_when_it_ends(stack: Sta
                                       http_client=openai.DefaultAsyncHttpxClient(
                                           event_hooks=recorder(sent, answers, sync=False))) as client:
             return await client.chat.completions.with_raw_response.create(
-                model="lab", max_tokens=4, messages=[{"role": "user", "content": words}])
+                model=GROUP, max_tokens=4, messages=[{"role": "user", "content": words}])
 
     started = time.perf_counter()
     raw = asyncio.run(run())
@@ -399,6 +405,94 @@ def test_a_bad_setting_stops_the_proxy_with_one_line(stack: Stack) -> None:
     assert code == 2, text[-3000:]
     assert "Traceback" not in text
     assert [line for line in text.splitlines() if "MEMTEL_LITELLM" in line] == [
-        f"memtel: MEMTEL_LITELLM_HOLD_S='{BAD_HOLD}': expected a finite number of seconds >= 0 (default 10)"]
+        f"memtel: MEMTEL_LITELLM_HOLD_S='{BAD_HOLD}': expected a number of seconds from 0 to 3600 (default 10)"]
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", stack.bad_port), timeout=1).close()
+
+
+def post(stack: Stack, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(stack.url + path, json=body, headers={"Authorization": f"Bearer {stack.key}"}, timeout=120)
+
+
+@pytest.mark.parametrize("case", ["deployment id", "deployment model", "unknown model", "/v1/responses",
+                                  "/v1/messages", "custom role"])
+def test_a_prompt_the_gate_cannot_attribute_or_size_is_refused_not_passed(stack: Stack, case: str) -> None:
+    """Each way a 650,000-word prompt (over max-model-len) went past the gate unsized is refused by the gate, and no
+    node sees a prompt token."""
+    words = prompt_text(MAX_MODEL_LEN + 50_000, 11)
+    chat = {"max_tokens": 4, "messages": [{"role": "user", "content": words}]}
+    path, body = {
+        "deployment id": ("/v1/chat/completions", {"model": "big", **chat}),
+        "deployment model": ("/v1/chat/completions", {"model": f"openai/{SERVED}", **chat}),
+        "unknown model": ("/v1/chat/completions", {"model": "labA", **chat}),
+        "/v1/responses": ("/v1/responses", {"model": GROUP, "input": words, "max_output_tokens": 4}),
+        "/v1/messages": ("/v1/messages", {"model": GROUP, **chat}),
+        "custom role": ("/v1/chat/completions", {"model": GROUP, "max_tokens": 4,
+                                                 "messages": [{"role": "custom", "content": [words]}]}),
+    }[case]
+    before = stack.prompt_tokens()
+    answer = post(stack, path, body)
+    assert answer.status_code == 400, answer.text[:500]
+    assert "memtel's LiteLLM gate" in answer.text and "memtel guard" not in answer.text
+    assert answer.headers.get("x-should-retry") == "false"
+    assert stack.prompt_tokens() == before
+
+
+def sparse_prompt(words: int, seed: int) -> str:
+    """`words` words, each after 100 spaces: its bytes bound it far above its words, so the gate counts it
+    through /tokenize before it holds it (prompt.py, count_to_hold)."""
+    return (" " * 100).join(prompt_text(words, seed).split())
+
+
+def test_a_burst_of_32_prompts_that_need_tokenize_is_served(stack: Stack) -> None:
+    """32 prompts at once through the async OpenAI client, each counted by a node's /tokenize first (kept-alive
+    connections: a new connection per count lost 17 of 32 to ReadError)."""
+    before = stack.prompt_tokens()
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0) as client:
+            return await asyncio.gather(*(client.chat.completions.create(
+                model=GROUP, max_tokens=4, messages=[{"role": "user", "content": sparse_prompt(2_000, n)}])
+                for n in range(32)), return_exceptions=True)
+
+    started = time.perf_counter()
+    answers = asyncio.run(run())
+    print(f"32 prompts of 2,000 words in {time.perf_counter() - started:.2f} s")
+    assert [a for a in answers if isinstance(a, BaseException)] == []
+    assert stack.prompt_tokens() - before >= 32 * 2_000
+
+
+def test_the_proxy_says_the_callbacks_are_loaded_and_refusals_in_one_line(stack: Stack) -> None:
+    """After the refusals above (400s of each kind and held 503s): the proxy's log says once that memtel's callbacks
+    are loaded, and holds no traceback."""
+    text = (stack.tmp / "proxy.log").read_text(errors="replace")
+    assert text.count("memtel: the LiteLLM gate's callbacks are loaded (MEMTEL_LITELLM_HOLD_S=2, ") == 1
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_after_one_deployment_dies_long_and_short_prompts_through_the_sdk_do_not_fail(stack: Stack) -> None:
+    """The big node is killed (SIGKILL: engine and hook) while its forecast still looks fresh to the gate, then 8
+    prompts of 150,000 words (they fit the small node; the gate would choose the big one) and 8 of 1,000 go
+    through the OpenAI client with its default retries: none fails, the small node serves them all. Last in the
+    module: the stack has one node afterwards."""
+    big = stack.nodes["big"]
+    os.killpg(big.process.pid, signal.SIGKILL)
+    big.process.wait()
+    killed = time.perf_counter()
+
+    async def one(client: openai.AsyncOpenAI, words: int, seed: int) -> Any:
+        return await client.chat.completions.with_raw_response.create(
+            model=GROUP, max_tokens=4, messages=[{"role": "user", "content": prompt_text(words, seed)}])
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key=stack.key) as client:
+            return await asyncio.gather(*(one(client, 150_000 if n < 8 else 1_000, 20 + n) for n in range(16)),
+                                        return_exceptions=True)
+
+    answers = asyncio.run(run())
+    took = time.perf_counter() - killed
+    failed = [a for a in answers if isinstance(a, BaseException)]
+    print(f"16 prompts after the kill in {took:.2f} s: {len(failed)} failed; retries "
+          f"{[a.retries_taken for a in answers if not isinstance(a, BaseException)]}")
+    assert failed == []
+    assert {a.headers.get("x-litellm-model-id") for a in answers} == {"small"}
