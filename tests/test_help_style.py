@@ -20,7 +20,7 @@ import pytest
 
 from telemetry import cli
 from telemetry.argtypes import LOG_LEVELS
-from tests.support.cli import call_main
+from tests.support.cli import call_main, command_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 ISSUE_NUMBER = re.compile(r"\bissues? \d+|#\d+\b", re.IGNORECASE)
@@ -30,16 +30,7 @@ PORT_FLAGS = re.compile(r"--(.+-)?port$")
 URL_FLAGS = {"--upstream", "--hooks", "--hook", "--daemon", "--engines"}
 
 
-def walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...],
-                                                                                      argparse.ArgumentParser]]:
-    yield path, parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, child in action.choices.items():
-                yield from walk(child, (*path, name))
-
-
-TREE = list(walk(cli.build_parser(only=None)))
+TREE = command_tree()
 PAGES = [path for path, _ in TREE if path]
 
 
@@ -86,6 +77,16 @@ def test_addresses_ports_and_urls_have_one_placeholder_each():
             if expected is not None and not str(action.metavar).startswith(expected):
                 wrong.append((path, flag, action.metavar))
     assert not wrong, wrong
+
+
+def test_an_address_to_listen_on_is_spelled_listen_host_port_on_every_page():
+    """Issue 40: `--listen HOST:PORT`, `--host` + `--port`, `--addr` + `--port` for one thing. The old spellings
+    still work where scripts use them (lab serve, run), but no page shows them."""
+    shown = [(path, flag) for path, parser in TREE for action in options(parser) if action.help != argparse.SUPPRESS
+             for flag in action.option_strings if flag in ("--host", "--addr", "--port", "--bind", "--address")]
+    assert not shown, shown
+    listens = {path for path, parser in TREE for action in options(parser) if "--listen" in action.option_strings}
+    assert {("daemon",), ("guard",), ("lab", "serve"), ("run",), ("alerts", "burn-in")} <= listens
 
 
 def test_choices_have_one_case():

@@ -8,6 +8,7 @@ the console script in a subprocess instead (a few cases per command keep doing s
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import logging
@@ -83,3 +84,19 @@ def call_main(argv: list[str], env: Mapping[str, str] | None = None,
         root.handlers[:] = handlers
         root.setLevel(level)
     return subprocess.CompletedProcess(["memtel", *argv], code, out.getvalue(), err.getvalue())
+
+
+def command_tree() -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every page of `memtel`'s argparse tree, built in this process (telemetry's commands and those the harness
+    registers), each (sub-)subcommand with its path: ((), memtel), (("lab",), ...), (("lab", "serve"), ...)."""
+    from telemetry import cli
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> Iterator[
+            tuple[tuple[str, ...], argparse.ArgumentParser]]:
+        yield path, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield from walk(child, (*path, name))
+
+    return list(walk(cli.build_parser(only=None), ()))
