@@ -9,10 +9,11 @@ a process starts recording: a process that never records never listens.
 (without torch's trace) read through the hook's allocator reader, as the live forecast reads it,
 on the exporter's thread when asked, never on the hooked call's path. JSON, `{"device": N, "segments":
 [...]}`, each block without its stack frames; with the process's allocation history where the hook keeps one
-(telemetry/hook/forecast/history.py: an allocator source whose snapshot callable returns `{"segments",
-"history"}`, or torch's recorder under MEMTEL_HOOK_HISTORY=1), `"history": [["a", id, bytes], ["f", id], ...]`, else `"history_lost"`: why not.
-Served only where no one else can ask for it unseen: an
-exporter listening on a loopback address, or one whose web config asks for a login (the other routes' basic
+(telemetry/hook/forecast/history.py: one the program keeps with `keep_history`, or torch's recorder under
+MEMTEL_HOOK_HISTORY=1), `"history": [["a", id, bytes], ["f", id],
+...]`, else `"history_lost"`: why not; with the live forecast's last fit, `"forecast"`: its workload, settings,
+fit budget and gauge (published.py). Served only where no one else can ask for it unseen: an exporter listening
+on a loopback address, or one whose web config asks for a login (the other routes' basic
 auth applies first); elsewhere 403. At most `MAX_SNAPSHOT_BLOCKS` segments and blocks (413 beyond); 503 with
 one line where the process has no allocator snapshot (no CUDA device bound by a hooked call, no allocator
 source with a snapshot).
@@ -77,12 +78,7 @@ def snapshot_answer(provider: SnapshotProvider, *, max_blocks: int = MAX_SNAPSHO
         return 503, (b"no allocator snapshot in this process: no CUDA device bound yet (no hooked call ran on a "
                      b"GPU) and no allocator source with a snapshot\n"), _TEXT
     segments, device = taken
-    extra: dict[str, Any] = {}
-    if isinstance(segments, dict):   # a source that keeps the history: {"segments", "history" | "history_lost"}
-        extra = {k: segments[k] for k in ("history", "history_lost") if k in segments}
-        segments = segments.get("segments")
-    elif device is not None:
-        extra = _torch_history(device)
+    extra = _history(device)
     if not isinstance(segments, list):
         return 500, b"the allocator snapshot is not a list of segments\n", _TEXT
     count = len(segments) + sum(len(s.get("blocks", ())) for s in segments if isinstance(s, dict))
@@ -92,14 +88,24 @@ def snapshot_answer(provider: SnapshotProvider, *, max_blocks: int = MAX_SNAPSHO
     slim = [{**s, "blocks": [{k: v for k, v in b.items() if k not in _DROPPED_BLOCK_KEYS}
                              for b in s.get("blocks", ()) if isinstance(b, dict)]}
             if isinstance(s, dict) else s for s in segments]
+    from telemetry.hook.forecast.published import published
+
+    forecast = published()
+    if forecast is not None:   # the live forecast's last fit: its workload, settings, budget and gauge
+        extra["forecast"] = forecast
     return 200, json.dumps({"device": device, "segments": slim, **extra}).encode(), "application/json"
 
 
-def _torch_history(device: int) -> dict[str, Any]:
-    """The CUDA allocator's history, compacted, where MEMTEL_HOOK_HISTORY=1 turned torch's recorder on."""
-    from telemetry.hook.forecast.history import recording_asked, torch_history
+def _history(device: int | None) -> dict[str, Any]:
+    """The process's allocation history: the one the program keeps (`keep_history`), else the CUDA allocator's,
+    compacted, where MEMTEL_HOOK_HISTORY=1 turned torch's recorder on; {} where there is none."""
+    from telemetry.hook.forecast.history import kept_history, recording_asked, torch_history
 
-    if not recording_asked():
+    kept = kept_history()
+    if kept is not None:
+        ops = kept.ops()
+        return {"history": ops} if ops is not None else {"history_lost": kept.lost}
+    if device is None or not recording_asked():
         return {}
     import sys
 

@@ -87,7 +87,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "its end")
     source.add_argument("--hook", metavar="URL",
                         help="a live hook's exporter (HOST:PORT or http(s)://[USER:PASSWORD@]HOST:PORT): its rank's "
-                             "allocator state now, from /snapshot")
+                             "allocator state now, from /snapshot, with what its live forecast knows: the workload "
+                             "(shape, width, scale: the shape flags are not used then), the settings and the fit "
+                             "budget (the memory unless --memory-gb or --node-headroom), and its history where it "
+                             "keeps one")
     parser.add_argument("--history", type=Path, default=None, metavar="HIST",
                         help="the process's allocation history up to the snapshot: a torch memory history "
                              "(torch.cuda.memory._dump_snapshot() pickle after _record_memory_history() from the "
@@ -98,7 +101,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="refuse a history of more ops than this (default 2,000,000)")
     parser.add_argument("--target-tokens", type=bounded_int(1, MAX_PREFILL_TOKENS), required=True, metavar="N",
                         help="the prefill length that matters: the peak and launches are shown at it")
-    memory = parser.add_mutually_exclusive_group(required=True)
+    memory = parser.add_mutually_exclusive_group()
     memory.add_argument("--memory-gb", type=bounded_float(0, MAX_CAPACITY_GIB, above_minimum=True), default=None,
                         help="the memory the allocator may reserve in all, in GiB")
     memory.add_argument("--node-headroom", action="store_true",
@@ -320,18 +323,28 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--plot {args.plot}: expected a .png file name")
     max_bytes = max_file_bytes(args)
     if args.hook is None:
+        if args.memory_gb is None and not args.node_headroom:
+            raise ConfigError("give the memory: --memory-gb X or --node-headroom (or --hook, whose fit budget is used)")
         path = args.snapshot or args.trace
         state = load_allocator_state(path, device=args.device, max_bytes=max_bytes, max_objects=args.max_objects,
                                      max_blocks=args.max_blocks)
         history = _history(args, path, state, max_bytes)
         return _run(args, engine, shape, space, path, str(path), state, max_bytes, history)
-    from telemetry.tune.hook_snapshot import fetch_snapshot
+    from telemetry.tune.hook_snapshot import fetch_hook
 
-    state, path = fetch_snapshot(args.hook, device=args.device, max_bytes=max_bytes, max_objects=args.max_objects,
-                                 max_blocks=args.max_blocks)
+    state, path, hook = fetch_hook(args.hook, device=args.device, max_bytes=max_bytes, max_objects=args.max_objects,
+                                   max_blocks=args.max_blocks)
     try:
+        if hook is None and args.memory_gb is None and not args.node_headroom:
+            raise ConfigError(f"--hook {args.hook}: the hook serves no fit budget (its live forecast is off or has not "
+                              "fit yet): give --memory-gb or --node-headroom")
+        if hook is not None:
+            shape = hook["shape"]
+            args.mode = hook["mode"]
+            if args.alloc_conf is None:
+                args.alloc_conf = hook["alloc_conf"]
         history = _history(args, path, state, max_bytes)
-        return _run(args, engine, shape, space, path, args.hook, state, max_bytes, history)
+        return _run(args, engine, shape, space, path, args.hook, state, max_bytes, history, hook)
     finally:
         path.unlink(missing_ok=True)
 
@@ -359,7 +372,7 @@ def _history(args: argparse.Namespace, path: Path, state: Any, max_bytes: int) -
 
 
 def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Path, where: str, state: Any,
-         max_bytes: int, history: Any = None) -> int:
+         max_bytes: int, history: Any = None, hook: dict[str, Any] | None = None) -> int:
     from telemetry.model.allocsim.cli import write_stdout
     from telemetry.model.indexer.prefill import LaunchPattern
     from telemetry.model.tune.search import DEFAULT_TOP, Problem, suggest_utilization, tune
@@ -368,7 +381,11 @@ def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Pa
     from telemetry.tune.engines import apply_settings, modes, paste_lines
 
     process_conf = args.alloc_conf if args.alloc_conf is not None else (state.alloc_conf or "")
-    limit, release, limit_text, node_total = _limit(args, state)
+    if hook is not None and args.memory_gb is None and not args.node_headroom:
+        limit, release, node_total = hook["limit_bytes"], not hook["shared"], hook["total_memory"]
+        limit_text = f"the hook's fit budget: {hook['budget']}"
+    else:
+        limit, release, limit_text, node_total = _limit(args, state)
     total = int(args.total_memory_gb * 1024**3) if args.total_memory_gb is not None else node_total
     allocator = None
     if args.verify:
@@ -379,7 +396,8 @@ def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Pa
     if cap == "fraction" and total is None:
         raise ConfigError("--cap fraction: give the device's total memory (--total-memory-gb): the fraction is of it")
     limit_text += f"; cap: {cap}"
-    problem = Problem(state, shape, limit, args.target_tokens, LaunchPattern(keep_previous=args.keep_previous),
+    pattern = hook["pattern"] if hook is not None else LaunchPattern(keep_previous=args.keep_previous)
+    problem = Problem(state, shape, limit, args.target_tokens, pattern,
                       total_memory=total, release_cache_on_oom=release, cap=cap, history=history,
                       process_conf=process_conf)
     expanded = expand(space, shape, process_conf, engine_modes=modes(engine), engine_name=engine.name,
@@ -408,12 +426,19 @@ def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Pa
                "process": result.process.as_json(),
                "pruned": len(result.pruned), "left_out": list(result.left_out), "lines": lines,
                "utilization": utilization, "notes": list(state.notes), "cap": cap,
-               "history_ops": None if history is None else len(history.ops)}
+               "history_ops": None if history is None else len(history.ops),
+               "hook_gauge": None if hook is None else hook["max_fit_tokens"]}
         if allocator is not None:
             doc["verify"] = {"allocator": allocator, "settings": [v.as_json() for v in verified]}
         write_stdout(json.dumps(doc, indent=1))
     else:
         text = format_result(result, engine, where, limit_text, utilization, lines)
+        if hook is not None:
+            text += (f"\nthe hook's gauge (memtel_forecast_max_prefill_tokens) at its last fit: "
+                     f"{hook['max_fit_tokens']:,} tokens; workload {hook['shape'].layers} layers, chunk "
+                     f"{hook['shape'].chunk:,}, budget {hook['shape'].logits_budget_mib:g} MiB, "
+                     f"{hook['mode']}, rows x {hook['pattern'].row_scale:g}; settings "
+                     f"{hook['alloc_conf'] or 'defaults'!r}")
         if allocator is not None:
             text += "\n" + format_verified(verified, allocator)
         write_stdout(text)

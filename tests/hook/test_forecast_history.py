@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from telemetry.allocator_counters import AllocatorCounters
 from telemetry.hook.exporter import snapshot_answer, start_exporter
-from telemetry.hook.forecast.history import AllocationHistory, from_torch_trace
+from telemetry.hook.forecast.history import AllocationHistory, from_torch_trace, keep_history
 from telemetry.model.indexer.prefill import LaunchPattern, run_prefill
 from telemetry.model.indexer.shape import MIB, IndexerShape
 from telemetry.model.tune.history import history_from_ops, replay
@@ -118,12 +118,18 @@ def test_snapshot_serves_the_history_beside_the_segments() -> None:
                  "is_expandable": False,
                  "blocks": [{"address": b.address, "size": b.size, "state": b.state} for b in s.blocks]}
                 for s in state.segments]
-    status, body, _ = snapshot_answer(lambda: ({"segments": segments, "history": history.ops()}, None))
-    doc = json.loads(body)
-    assert status == 200 and doc["history"] == history.ops() and len(doc["segments"]) == len(segments)
-    assert backend.full
-    status, body, _ = snapshot_answer(lambda: ({"segments": segments, "history_lost": "over 5 ops"}, None))
-    assert json.loads(body)["history_lost"] == "over 5 ops" and "history" not in json.loads(body)
+    keep_history(history)
+    try:
+        status, body, _ = snapshot_answer(lambda: (segments, None))
+        doc = json.loads(body)
+        assert status == 200 and doc["history"] == history.ops() and len(doc["segments"]) == len(segments)
+        assert backend.full
+        history.free(10**9)   # a free it never saw: given up
+        status, body, _ = snapshot_answer(lambda: (segments, None))
+        assert "never saw allocated" in json.loads(body)["history_lost"] and "history" not in json.loads(body)
+    finally:
+        keep_history(None)
+    assert "history" not in json.loads(snapshot_answer(lambda: (segments, None))[1])
 
 
 def test_tune_hook_replays_the_history_the_hook_serves() -> None:
@@ -139,9 +145,11 @@ def test_tune_hook_replays_the_history_the_hook_serves() -> None:
                  "is_expandable": False,
                  "blocks": [{"address": b.address, "size": b.size, "state": b.state} for b in s.blocks]}
                 for s in state.segments]
-    served = {"history": ops}
-    server = start_exporter(CollectorRegistry(), "127.0.0.1", 0,
-                            snapshot=lambda: ({"segments": segments, **served}, 0))
+    served = AllocationHistory()
+    for op in ops:
+        served.alloc(int(op[1]), int(op[2])) if op[0] == "a" else served.free(int(op[1]))
+    keep_history(served)
+    server = start_exporter(CollectorRegistry(), "127.0.0.1", 0, snapshot=lambda: (segments, 0))
     try:
         argv = ["tune", "--hook", f"127.0.0.1:{server.port}", "--target-tokens", "8192", "--memory-gb", "2",
                 "--layers", "2", "--chunk", "2048", "--max-model-len", "65536", "--budget-mb", "64", "--topk",
@@ -151,14 +159,15 @@ def test_tune_hook_replays_the_history_the_hook_serves() -> None:
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["history_ops"] == len(ops)
         assert not any(o["best_case"] for o in json.loads(done.stdout)["ranked"])
-        served["history"] = ops[:-1] if ops[-1][0] == "f" else [*ops, ["f", ops[-1][1]]]
+        served.alloc(-1, 4096)   # one more live allocation than the served segments hold
         done = call_main(argv)
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-        served.pop("history")
+        keep_history(None)
         done = call_main(argv)   # a hook without a history: the snapshot alone, layout changes a best case
         assert done.returncode == 0, done.stderr
         doc = json.loads(done.stdout)
         assert doc["history_ops"] is None
         assert all(o["best_case"] == ("expandable" in o["setting"]["alloc_conf"]) for o in doc["ranked"])
     finally:
+        keep_history(None)
         server.stop()

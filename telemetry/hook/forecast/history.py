@@ -14,8 +14,8 @@ compacted (a new size, a free of an older block) is kept, up to `max_ops`; beyon
 case) rather than kept wrong.
 
 Cost: O(candidates) per op (64 by default), plus the episode's comparison when it ends (its length). Sources: an
-allocator source that calls `alloc`/`free` and returns `{"segments": ..., "history": ops()}` from its snapshot
-callable (`set_allocator_source`), and on CUDA torch's own recorder (`torch.cuda.memory._record_memory_history`,
+allocator source that calls `alloc`/`free` and hands the history to `keep_history` (the program's allocator:
+`set_allocator_source`), and on CUDA torch's own recorder (`torch.cuda.memory._record_memory_history`,
 started with `start_torch_recording()` where MEMTEL_HOOK_HISTORY=1; its ring is compacted here when
 /snapshot is asked, `from_torch_trace()`). The CUDA side's cost per allocation is not measured yet
 (benchmarks/hook_history_gpu.py; docs/lab.md).
@@ -121,6 +121,19 @@ class AllocationHistory:
         self._ended = {}
 
 
+_kept: AllocationHistory | None = None
+
+
+def keep_history(history: AllocationHistory | None) -> None:
+    """Serve `history` with /snapshot (a program whose allocator is not CUDA's feeds it: the lab's); None: none."""
+    global _kept
+    _kept = history
+
+
+def kept_history() -> AllocationHistory | None:
+    return _kept
+
+
 def from_torch_trace(entries: Iterable[Mapping[str, Any]], max_ops: int = MAX_HISTORY_OPS) -> AllocationHistory:
     """The compacted history of one device's torch trace entries (`_snapshot()["device_traces"][device]`):
     `alloc` and `free_completed` in order (the allocator's trace: telemetry/model/allocsim/trace.py)."""
@@ -166,5 +179,5 @@ def torch_history(torch: Any, device: int, max_ops: int = MAX_HISTORY_OPS) -> tu
     return history.ops(), history.lost
 
 
-__all__ = ["HISTORY_ENV", "MAX_HISTORY_OPS", "AllocationHistory", "from_torch_trace", "recording_asked",
-           "start_torch_recording", "torch_history"]
+__all__ = ["HISTORY_ENV", "MAX_HISTORY_OPS", "AllocationHistory", "from_torch_trace", "keep_history", "kept_history",
+           "recording_asked", "start_torch_recording", "torch_history"]

@@ -96,6 +96,23 @@ class ForecastResults:
     snapshot_reader: str | None = None       # which reader took the last snapshot (snapshot_native.reader)
     resyncs: dict[str, int] = field(default_factory=dict)   # full snapshots of the event shadow, by reason
     at_best: MaxFit | None = None            # the longest prefill that would fit with the cache released (compute.py)
+    fit_conf: str | None = None              # the allocator settings the fit ran with (the cap torch reports added)
+
+    def tune_inputs(self) -> dict[str, Any] | None:
+        """What `memtel tune --hook` needs to answer as this gauge does: the workload (shape, width, launch
+        pattern with its scale), the settings and the fit budget of the last successful cycle, and the gauge
+        itself (served by /snapshot; None before a fit)."""
+        workload, budget, fit = self.workload, self.budget, self.max_fit
+        if workload is None or budget is None or fit is None or self.fit_conf is None:
+            return None
+        pattern = workload.pattern
+        return {"shape": workload.shape.as_dict(), "mode": workload.mode,
+                "pattern": None if pattern is None else {"keep_previous": pattern.keep_previous,
+                                                         "transient_bytes": pattern.transient_bytes,
+                                                         "row_scale": pattern.row_scale},
+                "alloc_conf": self.fit_conf, "limit_bytes": budget.limit_bytes, "total_memory": budget.total_memory,
+                "shared": budget.shared, "budget": budget.detail, "max_fit_tokens": fit.tokens,
+                "taken_at": self.last_success_s}
 
 
 def _same(segments: Any, last: Any, pause: Callable[[], None], batch: int = 64) -> bool:
@@ -113,6 +130,13 @@ def _same(segments: Any, last: Any, pause: Callable[[], None], batch: int = 64) 
             return False
         pause()
     return True
+
+
+def _fit_conf(conf: str, base: BudgetBase | None) -> str | None:
+    """The settings the fit search runs with (compute.py): the process's, with the cap torch reports."""
+    from telemetry.hook.forecast.compute import with_fraction
+
+    return None if base is None else with_fraction(conf, base.fraction)
 
 
 class ShadowGone(Exception):
@@ -302,7 +326,8 @@ class Forecaster:
             if budget is None or (previous.max_fit is not None and previous.max_fit.limit_bytes == budget.limit_bytes):
                 self._succeeded(workload, previous.forecasts, started, taken_at, budget,
                                 previous.max_fit if budget is not None else None,
-                                previous.at_best if budget is not None else None)
+                                previous.at_best if budget is not None else None,
+                                _fit_conf(conf, base))
                 return True
         if self._stop.is_set():
             return False
@@ -322,7 +347,8 @@ class Forecaster:
         self._last_key, self._last_segments = key, segments
         self._last_counters = (output.allocated_bytes, output.reserved_bytes)
         forecasts = previous.forecasts if same else output.forecasts
-        self._succeeded(workload, forecasts, started, taken_at, output.budget, output.max_fit, output.at_best)
+        self._succeeded(workload, forecasts, started, taken_at, output.budget, output.max_fit, output.at_best,
+                        _fit_conf(conf, base))
         return True
 
     def _take(self) -> tuple[Any, int | None] | None:
@@ -473,12 +499,12 @@ class Forecaster:
 
     def _succeeded(self, workload: ForecastWorkload, forecasts: tuple[Forecast, ...], started: float,
                    taken_at: float, budget: FitBudget | None = None, max_fit: MaxFit | None = None,
-                   at_best: MaxFit | None = None) -> None:
+                   at_best: MaxFit | None = None, fit_conf: str | None = None) -> None:
         with self._lock:
             old = self.results
             self.results = ForecastResults(workload, forecasts, time.perf_counter() - started, taken_at,
                                            old.failures, old.cpu_seconds, budget, max_fit, old.helper_cpu_seconds,
-                                           old.snapshot_reader, old.resyncs, at_best)
+                                           old.snapshot_reader, old.resyncs, at_best, fit_conf)
 
     def _failed(self, reason: str, error: object, started: float) -> None:
         with self._lock:
@@ -514,10 +540,12 @@ class Forecaster:
         """Start the thread (once; again in a forked child); under MEMTEL_HOOK_HISTORY=1 with torch loaded, torch's
         allocator recorder too, for /snapshot's history (history.py)."""
         from telemetry.hook.forecast.history import recording_asked, start_torch_recording
+        from telemetry.hook.forecast.published import publish
 
         torch = sys.modules.get("torch")
         if torch is not None and recording_asked():
             start_torch_recording(torch)
+        publish(lambda: self.results.tune_inputs())
         with self._lock:
             if self._thread is not None or self._stop.is_set():
                 return
