@@ -23,7 +23,7 @@ from telemetry.run.cli import configure, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOTS = ROOT / "tests" / "fixtures" / "allocator-snapshots" / "h200-torch2.11"
-ERROR_LINE = re.compile(r"^memtel [a-z]+: error: \S")
+ERROR_LINE = re.compile(r"^memtel [a-z]+( [a-z-]+)?: error: \S")  # a sub-subcommand's names it (lab serve)
 
 
 def _core_dependencies() -> list[str]:
@@ -85,7 +85,8 @@ def test_error_prefixes_differ_between_commands(tmp_path, capsys, argv):
     code = main([a.replace("{missing}", str(tmp_path / "missing.file")) for a in argv])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert ERROR_LINE.match(err) and err.startswith(f"memtel {argv[0]}: error: "), err
+    ran = " ".join(argv[:2]) if argv[0] in ("flight", "ab") and len(argv) > 1 else argv[0]
+    assert ERROR_LINE.match(err) and err.startswith(f"memtel {ran}: error: "), err
 
 
 def test_forecast_spells_the_width_mode_mode_where_replay_says_arm(capsys):

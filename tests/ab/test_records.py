@@ -121,7 +121,7 @@ def test_memtel_ab_report_on_a_broken_record_says_so_in_one_line(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"memtel ab: error: {run / 'results.jsonl'}:{first_request + 1}: the request record has no 'started_at' "
+        f"memtel ab report: error: {run / 'results.jsonl'}:{first_request + 1}: the request record has no 'started_at' "
         "field (written by another memtel version, or edited?)"]
 
 

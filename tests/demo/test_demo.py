@@ -71,7 +71,8 @@ def _replay(tokens: int, allocator: str = "sim") -> dict:
 def _leftovers(out: Path) -> list[str]:
     """Processes of this demo still alive: anything naming its run directory or its ports."""
     ladder = yaml.safe_load((out / "ladder.yaml").read_text())
-    ports = {str(a["serve"]["command"][a["serve"]["command"].index("--port") + 1]) for a in ladder["arms"]}
+    ports = {a["serve"]["command"][a["serve"]["command"].index("--listen") + 1].rsplit(":", 1)[1]
+             for a in ladder["arms"]}
     ports |= {url.rsplit(":", 1)[1].split("/")[0] for a in ladder["arms"] for url in a["ranks"].values()}
     ports |= {url.rsplit(":", 1)[1].split("/")[0] for url in ladder["nodes"].values()}
     found = []
