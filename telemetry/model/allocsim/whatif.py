@@ -74,33 +74,40 @@ class ReplayPlan:
 
 
 class RecordedAddresses:
-    """The trace's own cudaMalloc addresses, in order, while the replay asks for the sizes the trace did.
+    """The trace's own cudaMalloc addresses, in order, while the replay asks for the sizes the trace did (and
+    none overlaps a segment the replay still holds).
 
     The caching allocator breaks ties between equal-size free blocks by device address, and with garbage
     collection which block a request takes decides every block's age. The driver model (driver_va.py) gets
-    most addresses right, not all; the replay under the recorded settings takes the real ones instead. From
-    the first request of another size on (the replay has left the trace), the driver model answers.
+    most addresses right, not all; a replay takes the real ones instead, under the recorded settings and under
+    another setting as long as it makes the trace's cudaMallocs (the same driver gives the same calls the same
+    addresses: a what-if under a GC threshold on an H200 took the other of two 12 MiB blocks with the model's).
+    From the first request of another size on (the replay has left the trace), the driver model answers, started
+    from the trace's segments the replay holds then.
     """
 
     def __init__(self, recorded: list[tuple[int, int]]) -> None:
         self._recorded = recorded
         self._next = 0
-        self._given: set[int] = set()
+        self._given: dict[int, int] = {}   # address -> size of the trace's segments live here
         self._model: DriverAddressSpace | None = None
 
     def alloc(self, size: int) -> int:
         if self._model is None and self._next < len(self._recorded) and self._recorded[self._next][1] == size:
             address = self._recorded[self._next][0]
-            self._next += 1
-            self._given.add(address)
-            return address
-        if self._model is None:
-            self._model = DriverAddressSpace()
+            # another setting may still hold a segment where the trace's had been freed: then it has left the trace
+            if not any(a < address + size and address < a + n for a, n in self._given.items()):
+                self._next += 1
+                self._given[address] = size
+                return address
+        if self._model is None:   # left the trace: the model goes on from the segments the trace's addresses hold
+            self._model = DriverAddressSpace.from_segments(sorted(self._given.items()))
+            self._given = {}
         return self._model.alloc(size)
 
     def release(self, address: int, size: int) -> None:
         if address in self._given:
-            self._given.discard(address)
+            del self._given[address]
         elif self._model is not None:
             self._model.release(address, size)
 
@@ -352,7 +359,10 @@ def whatif(trace: MemoryTrace, configs: list[str], *, capacity_bytes: int | None
     replays = {key: recorded}
     for config in configs:
         if config not in replays:
-            replays[config] = replay_plan(plan, config, capacity_bytes=capacity_bytes, timeline=timeline)
+            # the trace's addresses while this setting makes the same cudaMallocs: the same driver gives the same
+            # addresses to the same calls, and equal-size blocks are taken by address (RecordedAddresses)
+            replays[config] = replay_plan(plan, config, capacity_bytes=capacity_bytes, timeline=timeline,
+                                          recorded_addresses=True)
     notes = list(trace.notes)
     if trace.effective_conf != trace.recorded_conf:
         notes.append(f"the allocator ran with {trace.effective_conf!r} (its recorded fields), which the recorded "
