@@ -37,6 +37,7 @@ _HOOK_SOURCES = ("hook", "engine", "forecast")  # the catalogue's sources whose 
 _GOT = re.compile(r'\{alertname="([A-Za-z_][A-Za-z0-9_]*)", ' + QUERY_LABEL + r'="(q_[a-z]+_\d+_\d+)"\} ([^,\s]+)')
 _QUERY_ID = re.compile(r'(q_[a-z]+_\d+_\d+)\\?"')
 _WINDOW = re.compile(r"q_([a-z]+)_(\d+)_(\d+)")
+_RULE_ERROR = re.compile(r"rule: ([A-Za-z_:][A-Za-z0-9_:]*), time: (\S+), err: (.*)")
 _RANGE = re.compile(r"\[\s*((?:\d+(?:ms|[smhdwy]))+)\s*(?::\s*((?:\d+(?:ms|[smhdwy]))+)\s*)?\]")
 _UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 PROMTOOL_TIMEOUT_S = 300
@@ -455,6 +456,10 @@ def evaluate_all(timelines: list[Timeline], rule_files: list[Path], wanted: set[
             except subprocess.TimeoutExpired:
                 raise RunError(f"{names}: promtool took more than {PROMTOOL_TIMEOUT_S} s") from None
             output = result.stdout + result.stderr
+            failed_rule = _RULE_ERROR.search(output)
+            if failed_rule:   # promtool stops the test group at a rule it cannot evaluate
+                raise RunError(f"{names}: promtool failed rule {failed_rule.group(1)} at {failed_rule.group(2)}: "
+                               f"{failed_rule.group(3)[:300]}")
             answers, errors = parse_answers(output)
             got = []
             for position, (group, (i, part)) in enumerate(zip(groups, batch, strict=True)):

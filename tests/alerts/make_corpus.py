@@ -44,6 +44,11 @@ class Node:
     nv_err: int = 0
     nv_err_last_seen: float | None = None
     nvml: bool = True
+    oom_kills: int = 0
+    oom_last_seen: float | None = None
+    swap_in: int = 0    # pages swapped in since boot (/proc/vmstat pswpin)
+    swap_out: int = 0
+    processes: int | None = None  # serving processes the daemon's process collector matches (role vllm)
     window: FaultWindow = field(default_factory=lambda: FaultWindow())
     # What each starting engine's hook says its start will still take ({"rank/pid": bytes}), as read last.
     start_remaining: dict[str, float] = field(default_factory=dict)
@@ -63,12 +68,12 @@ class Node:
             "memtel_node_unified_headroom_without_reclaim_bytes": headroom_without_reclaim(available, contiguous),
             "memtel_node_vmstat_thp_fault_alloc_total": self.thp_alloc,
             "memtel_node_vmstat_thp_fault_fallback_total": self.thp_fallback,
-            "memtel_node_vmstat_pswpin_total": 0, "memtel_node_vmstat_pswpout_total": 0,
+            "memtel_node_vmstat_pswpin_total": self.swap_in, "memtel_node_vmstat_pswpout_total": self.swap_out,
             "memtel_node_pressure_memory_some_seconds_total": round(self.psi_some, 6),
             "memtel_node_pressure_memory_full_seconds_total": round(self.psi_full, 6),
             "memtel_node_page_size_bytes": 4096,
             "memtel_kernel_nv_err_no_memory_total": self.nv_err,
-            "memtel_kernel_oom_kills_total": 0,
+            "memtel_kernel_oom_kills_total": self.oom_kills,
             "memtel_kernel_kmsg_missed_records_total": 0,
             "memtel_gpu_nvml_available": 1 if self.nvml else 0,
             'memtel_collector_success{collector="nvml"}': 1 if self.nvml else 0,
@@ -77,6 +82,10 @@ class Node:
             values["memtel_node_huge_page_fault_success_ratio"] = ratio
         if self.nv_err_last_seen is not None:
             values["memtel_kernel_nv_err_no_memory_last_seen_timestamp_seconds"] = self.nv_err_last_seen
+        if self.oom_last_seen is not None:
+            values["memtel_kernel_oom_kill_last_seen_timestamp_seconds"] = self.oom_last_seen
+        if self.processes is not None:
+            values['memtel_process_role_processes{role="vllm"}'] = self.processes
         for name in COLLECTORS:
             values[f'memtel_collector_success{{collector="{name}"}}'] = 1
         values.update(self.serving)
@@ -462,6 +471,107 @@ def slow_long_prefill() -> Iterator[dict]:
     return timeline(header, Node(SPARK_TOTAL, 40 * GIB, 36 * GIB), 480, step, seed=31)
 
 
+# -- a real DGX Spark (issue 38): 121.69 GiB of MemTotal, 113 GiB available at rest with a desktop session --
+REAL_SPARK_TOTAL = 121.69 * GIB
+REAL_SPARK_DESKTOP = 113 * GIB   # at rest with a desktop session (113-117 GiB seen: issue 38)
+
+
+def serving(util: float, base: float) -> float:
+    """What a serving engine at `util` leaves available on a real Spark that had `base` at rest."""
+    return base - util * REAL_SPARK_TOTAL
+
+
+def spark_serving(util: float, base: float) -> Callable[[], Iterator[dict]]:
+    """A real Spark serving at `util` for 12 minutes, steady (decode), the page cache churning a little."""
+    def make() -> Iterator[dict]:
+        left = serving(util, base)
+
+        def step(node: Node, s: int, rng: random.Random) -> None:
+            node.mem_available = left + rng.uniform(-256, 256) * MIB
+            node.free_contiguous = node.mem_available - 1 * GIB
+            _huge_faults(node, rng.randint(0, 2), 0.95, rng)
+
+        header = {"outcome": "benign", "node": "spark-desktop" if base == REAL_SPARK_DESKTOP else "spark-headless",
+                  "description": f"A DGX Spark (121.69 GiB) with {base / GIB:.0f} GiB available at rest serving "
+                                 f"at gpu_memory_utilization {util}: {left / GIB:.1f} GiB stay available for "
+                                 "12 minutes of decode."}
+        return timeline(header, Node(REAL_SPARK_TOTAL, left, left - GIB, processes=1), 720, step,
+                        seed=60 + round(util * 100))
+    return make
+
+
+def engine_dies_after_nv_err() -> Iterator[dict]:
+    """A real Spark with its desktop serving at 0.85; a long prefill's allocator segments take the last
+    9.6 GiB at 0.4 GiB/s; the driver logs NV_ERR_NO_MEMORY at t=140 and the engine exits at t=146 (its memory
+    returns). The failure is the death: it must page, within a second of the daemon seeing it."""
+    left = serving(0.85, REAL_SPARK_DESKTOP)
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        taken = min(max(s - 120, 0) * 0.4 * GIB, left - 0.3 * GIB)
+        node.mem_available = left - taken + rng.uniform(-64, 64) * MIB
+        if s >= 146:
+            node.processes = 0
+            node.mem_available = left + 0.85 * REAL_SPARK_TOTAL * min((s - 145) / 2, 1)
+        node.free_contiguous = node.mem_available - GIB
+        if s in (140, 141, 143):
+            node.nv_err += 1
+            node.nv_err_last_seen = START + s
+        _huge_faults(node, rng.randint(0, 2), 0.95, rng)
+
+    header = {"outcome": "failure", "failure_at": START + 146, "onset_at": START + 146, "node": "spark-desktop",
+              "description": "vLLM at 0.85 on a Spark with a desktop session: NV_ERR_NO_MEMORY, then the engine "
+                             "exits. The mission's case: it must page within a second of the process going.",
+              "expect": [{"alert": "MemtelEngineDiedOfMemory", "within_s": 1, "severity": "critical"}]}
+    return timeline(header, Node(REAL_SPARK_TOTAL, left, left - GIB, processes=1), 200, step, seed=71)
+
+
+def swap_thrash_to_oom_kill() -> Iterator[dict]:
+    """A 24 GiB node with swap: a second job grows past memory and the node thrashes (30-60 MiB/s in and out
+    of swap, PSI full 40 %) for 4 minutes from t=300; the OOM killer ends the serving engine at t=540."""
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        thrashing = 300 <= s < 540
+        node.mem_available = (1.2 if thrashing else 6.0) * GIB + rng.uniform(-64, 64) * MIB
+        if s >= 540:
+            node.mem_available = 14 * GIB
+        node.free_contiguous = node.mem_available * 0.5
+        if thrashing:
+            node.swap_in += rng.randint(30, 60) * 256   # pages of 4 KiB: 30-60 MiB/s
+            node.swap_out += rng.randint(30, 60) * 256
+            node.psi_some += rng.uniform(0.6, 0.8)
+            node.psi_full += rng.uniform(0.3, 0.5)
+        if s == 540:
+            node.oom_kills += 1
+            node.oom_last_seen = START + s
+            node.processes = 0
+        _huge_faults(node, rng.randint(0, 2), 0.9, rng)
+
+    header = {"outcome": "failure", "failure_at": START + 540, "onset_at": START + 300, "node": "box-24g-swap",
+              "description": "Swap thrash for 4 minutes, then the OOM killer ends the serving engine.",
+              "expect": [{"alert": "MemtelSwapThrash", "within_s": 180, "severity": "critical"},
+                         {"alert": "MemtelEngineDiedOfMemory", "within_s": 241, "severity": "critical"}]}
+    return timeline(header, Node(24 * GIB, 6 * GIB, 3 * GIB, processes=1), 600, step, seed=72)
+
+
+def start_with_an_nv_err_line() -> Iterator[dict]:
+    """A real Spark with its desktop: vLLM starts at 0.70 (the process appears at t=20) and the driver logs one
+    NV_ERR_NO_MEMORY line while the KV cache is allocated, as normal starts do; then it serves."""
+    engine = EngineStart(begin=30, util=0.70, weights=30 * GIB, pid=4300)
+    inner = starts([engine], base=REAL_SPARK_DESKTOP)
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        inner(node, s, rng)
+        node.processes = 1 if s >= 20 else 0
+        if s == 55:
+            node.nv_err += 1
+            node.nv_err_last_seen = START + s
+
+    header = {"outcome": "benign", "node": "spark-desktop",
+              "description": "vLLM at 0.70 starting on a Spark with a desktop session; one NV_ERR_NO_MEMORY line "
+                             "during the start, which succeeds."}
+    return timeline(header, Node(REAL_SPARK_TOTAL, REAL_SPARK_DESKTOP, REAL_SPARK_DESKTOP - 2 * GIB, processes=0),
+                    240, step, seed=73)
+
+
 TIMELINES: dict[str, Callable[[], Iterator[dict]]] = {
     "collapse-29-to-2.5-gib-in-9s": collapse,
     "slow-leak-to-failure": slow_leak_to_failure,
@@ -482,6 +592,11 @@ TIMELINES: dict[str, Callable[[], Iterator[dict]]] = {
     "collapse-during-an-engine-start": collapse_during_start,
     "engine-hang": engine_hang,
     "slow-1m-token-prefill": slow_long_prefill,
+    "spark-desktop-serving-0.85": spark_serving(0.85, REAL_SPARK_DESKTOP),
+    "spark-headless-serving-0.90": spark_serving(0.90, 117 * GIB),
+    "engine-dies-after-nv-err": engine_dies_after_nv_err,
+    "swap-thrash-to-oom-kill": swap_thrash_to_oom_kill,
+    "spark-desktop-start-with-an-nv-err-line": start_with_an_nv_err_line,
 }
 
 

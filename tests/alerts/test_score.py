@@ -29,10 +29,12 @@ CORPUS = make_corpus.CORPUS
 ROOT = Path(__file__).resolve().parents[2]
 BURN_IN_MINUTES = 0.5  # the shortest burn-in the command takes
 FAILURES = ("collapse-29-to-2.5-gib-in-9s", "slow-leak-to-failure", "fragmentation-with-free-memory",
-            "start-asks-more-than-the-node-has", "collapse-during-an-engine-start", "engine-hang")
+            "start-asks-more-than-the-node-has", "collapse-during-an-engine-start", "engine-hang",
+            "engine-dies-after-nv-err", "swap-thrash-to-oom-kill")
 CHURN_PREFIX_S = 240
 BENIGN = ("page-cache-churn", "model-weights-in-page-cache", "large-flat-allocation", "slow-leak-above-floor",
-          "nv-err-at-rest", "no-nvidia-driver")
+          "nv-err-at-rest", "no-nvidia-driver", "spark-desktop-serving-0.85", "spark-headless-serving-0.90",
+          "spark-desktop-start-with-an-nv-err-line")
 STARTS = ("spark-start-0.70", "spark-start-0.85", "spark-start-0.90", "spark-restart-loop",
           "two-engines-starting-together", "start-on-a-low-node", "slow-1m-token-prefill")  # benign (issue 29)
 
@@ -160,6 +162,16 @@ def test_the_shipped_rules_page_on_no_benign_timeline_and_catch_every_failure(sh
     # Every failure is caught by some critical alert before it happens.
     for failure in FAILURES:
         assert any(failure in dict(s.caught) for s in shipped_score.alerts.values() if s.severity == "critical")
+    # Issue 38: the engine's death of memory pages within a second; a thrash of 4 minutes pages before the OOM
+    # kill; a Spark serving at 0.85-0.9 raises not even the share warning; a start's NV_ERR line pages nothing.
+    death = claims[("engine-dies-after-nv-err", "MemtelEngineDiedOfMemory")]
+    assert death.ok and death.severity == "critical" and death.detect_s is not None and death.detect_s <= 1
+    assert claims[("swap-thrash-to-oom-kill", "MemtelSwapThrash")].ok
+    serving = {"spark-desktop-serving-0.85", "spark-headless-serving-0.90"}
+    assert all(not serving & {t for t, _, _ in s.benign_fired} for s in shipped_score.alerts.values())
+    start = "spark-desktop-start-with-an-nv-err-line"
+    assert {n for n, s in shipped_score.alerts.items() if start in {t for t, _, _ in s.benign_fired}} == \
+        {"MemtelNvErrNoMemory"}
 
 
 def first_protect_decision(timeline) -> float | None:
@@ -332,6 +344,7 @@ def steady(name: str, seconds: int, series: int, outcome: str = "benign") -> tup
     return Path(name).with_suffix(".jsonl"), "\n".join(json.dumps(r) for r in [header, *records]) + "\n"
 
 
+@pytest.mark.slow
 @pytest.mark.prometheus
 def test_an_alert_firing_for_three_hours_on_a_benign_timeline_is_scored(tmp_path):
     """Issue 38: two critical series firing for 3 hours made the whole-span queries pass promtool's 10,000
@@ -377,6 +390,7 @@ def test_a_timeline_in_parts_scores_as_a_whole(tmp_path, monkeypatch):
     assert whole["Dip"].onsets == 5 and whole["Dip"].firing_seconds > 40
 
 
+@pytest.mark.slow
 @pytest.mark.prometheus
 def test_a_node_that_stops_answering_pages_node_down(tmp_path):
     """Issue 38: the format writes failed scrapes (`"up": 0`, or a gap in the records), so a reboot scores as
@@ -390,3 +404,30 @@ def test_a_node_that_stops_answering_pages_node_down(tmp_path):
     result = score([reboot, rebooted], default_rules())
     assert sorted(result.alerts["MemtelNodeDown"].benign_fired) == [("gap", 180, 1), ("reboot", 20, 1)], \
         result.alerts["MemtelNodeDown"]
+
+
+@pytest.mark.slow
+@pytest.mark.prometheus
+def test_the_rules_before_issue_38_miss_the_death_and_warn_on_a_serving_spark(tmp_path):
+    """Teeth (issue 38): without MemtelEngineDiedOfMemory and MemtelSwapThrash the death and the thrash are not
+    paged (only warnings: NV_ERR, OOM kill), and the share warning at 10 % fires on a Spark serving at 0.85."""
+    rules = default_rules()
+    alerts = yaml.safe_load(rules[1].read_text())
+    for group in alerts["groups"]:
+        group["rules"] = [r for r in group["rules"]
+                          if r.get("alert") not in ("MemtelEngineDiedOfMemory", "MemtelSwapThrash")]
+        for rule in group["rules"]:
+            if rule.get("alert") == "MemtelMemAvailableLowShare":
+                rule["expr"] = rule["expr"].replace("< 0.05", "< 0.10")
+    alerts["groups"] = [g for g in alerts["groups"] if g["rules"]]
+    old = tmp_path / "memtel-alerts.yml"
+    old.write_text(yaml.safe_dump(alerts, sort_keys=False))
+    lines = [load_timeline(CORPUS / f"{name}.jsonl.gz")
+             for name in ("engine-dies-after-nv-err", "swap-thrash-to-oom-kill", "spark-desktop-serving-0.85")]
+    result = score(lines, [rules[0], old])
+    assert "MemtelEngineDiedOfMemory is a none alert; engine-dies-after-nv-err must be caught by a critical one" \
+        in result.problems, result.problems
+    assert "MemtelSwapThrash is a none alert; swap-thrash-to-oom-kill must be caught by a critical one" \
+        in result.problems, result.problems
+    assert [t for t, _, _ in result.alerts["MemtelMemAvailableLowShare"].benign_fired] == \
+        ["spark-desktop-serving-0.85"]

@@ -318,3 +318,16 @@ def test_a_batch_promtool_cannot_evaluate_is_named(tmp_path):
     lines = [timeline([(0, {HEADROOM: 1})], name="a"), timeline([(0, {HEADROOM: 1})], name="b")]
     with pytest.raises(RunError, match=r"^a: promtool failed the score's query for seconds 0 to 0: no answer: "):
         promtool.evaluate_all(lines, [rules], {HEADROOM})
+
+
+@pytest.mark.prometheus
+def test_a_rule_promtool_stops_at_its_sample_limit_fails_the_score(tmp_path):
+    """promtool reports a rule it could not evaluate (6,000 series on each side of `and`: 12,000 samples) and
+    evaluates no further: the score names the rule instead of counting what did not fire."""
+    rules = tmp_path / "rules.yml"
+    rules.write_text("groups:\n  - name: g\n    rules:\n      - alert: A\n"
+                     f"        expr: {AVAILABLE} > 0 and {AVAILABLE} > -1\n")
+    line = timeline([(0, {f'{AVAILABLE}{{n="{i}"}}': 1 for i in range(6000)})], name="wide")
+    with pytest.raises(RunError, match=r"^wide: promtool failed rule A at 0s: query processing would load too many "
+                                       r"samples"):
+        promtool.evaluate_all([line], [rules], {AVAILABLE})

@@ -259,6 +259,11 @@ NAIVE_RULES = [
     ("MemtelUnifiedHeadroomFalling",
      next(r["expr"] for r in ALERTS if r["alert"] == "MemtelUnifiedHeadroomFalling").split("unless on (node)")[0],
      "headroom_test.yml"),
+    # Issue 38: NV_ERR_NO_MEMORY alone pages on a normal start; a process that goes alone pages on a restart.
+    ("MemtelEngineDiedOfMemory", "max by (node) (increase(memtel_kernel_nv_err_no_memory_total[1m])) > 0",
+     "engine_death_test.yml"),
+    ("MemtelEngineDiedOfMemory", "max by (node) (max_over_time(memtel_process_role_processes[30s]) "
+     "- memtel_process_role_processes) > 0", "engine_death_test.yml"),
     # No token out is not a stall: a long prefill makes none for minutes while its steps and hooked calls run.
     ("MemtelEngineStalled", "max by (node) (vllm:num_requests_running) > 0 unless on (node) "
      "(sum by (node) (increase(vllm:generation_tokens_total[3m])) > 0)", "engine_test.yml"),
