@@ -83,10 +83,14 @@ def test_an_address_to_listen_on_is_spelled_listen_host_port_on_every_page():
     """Issue 40: `--listen HOST:PORT`, `--host` + `--port`, `--addr` + `--port` for one thing. The old spellings
     still work where scripts use them (lab serve, run), but no page shows them."""
     shown = [(path, flag) for path, parser in TREE for action in options(parser) if action.help != argparse.SUPPRESS
-             for flag in action.option_strings if flag in ("--host", "--addr", "--port", "--bind", "--address")]
+             for flag in action.option_strings
+             if flag in ("--host", "--addr", "--port", "--memtel-port", "--bind", "--address")]
     assert not shown, shown
     listens = {path for path, parser in TREE for action in options(parser) if "--listen" in action.option_strings}
     assert {("daemon",), ("guard",), ("lab", "serve"), ("run",), ("alerts", "burn-in")} <= listens
+    hook_listen = [a for path, parser in TREE if path == ("lab", "serve") for a in options(parser)
+                   if "--hook-listen" in a.option_strings]
+    assert [a.metavar for a in hook_listen] == ["HOST:PORT"]
 
 
 def test_choices_have_one_case():

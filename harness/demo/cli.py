@@ -145,7 +145,7 @@ def build_ladder(setup: DemoSetup, steps: list[Step], daemon_url: str, ports: di
     for mode in MODES:
         port, rank_base = ports[mode]
         command = [sys.executable, "-m", "telemetry", "lab", "serve", "--arm", mode, "--listen", f"127.0.0.1:{port}",
-                   "--model-name", DEMO_MODEL, "--memtel-port", str(rank_base),
+                   "--model-name", DEMO_MODEL, "--hook-listen", f"127.0.0.1:{rank_base}",
                    *setup.serve_args()]
         arms.append({
             "name": mode,

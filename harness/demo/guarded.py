@@ -143,8 +143,8 @@ class Process:
 def launch_node(port: int, memtel_port: int, capacity_gb: float, log_path: Path, time_scale: float = 0.01) -> Process:
     """A lab node starting (wait_node waits for it)."""
     command = [sys.executable, "-m", "telemetry", "lab", "serve", *NODE_ARGS, "--capacity-gb", repr(capacity_gb),
-               "--time-scale", repr(time_scale), "--listen", f"127.0.0.1:{port}", "--memtel-port",
-               str(memtel_port), "--model-name", "lab"]
+               "--time-scale", repr(time_scale), "--listen", f"127.0.0.1:{port}", "--hook-listen",
+               f"127.0.0.1:{memtel_port}", "--model-name", "lab"]
     return Process(command, log_path, FORECAST_ENV)
 
 

@@ -2,7 +2,8 @@
 
     memtel lab serve --arm stock|fixed [--ranks N] [--allocator cuda|sim] [--layers L] [--chunk C]
                      [--max-model-len T] [--compress-ratio R] [--budget-mb B] [--listen HOST:PORT]
-                     [--scale S] [--time-scale X] [--capacity-gb X [--tenant GIB@START_S+DURATION_S]]
+                     [--hook-listen HOST:PORT] [--scale S] [--time-scale X]
+                     [--capacity-gb X [--tenant GIB@START_S+DURATION_S]]
 
 It answers like a vLLM server (so `memtel ab` and any OpenAI client can drive it) and runs, per
 request, the indexer's logits launches of a chunked prefill on N rank processes, each with memtel's
@@ -77,15 +78,15 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-unified-memory", action="store_true",
                        help="sim: do not back simulated segments with host memory")
     serve.add_argument("--no-hook", action="store_true", help="do not install memtel's hook in the ranks")
-    serve.add_argument("--memtel-port", type=port, default=None, metavar="PORT",
-                       help=f"hook exporter base port, rank r listens on it + r (default: $MEMTEL_PORT or "
-                            f"{HOOK_PORT})")
+    serve.add_argument("--hook-listen", default=None, metavar="HOST:PORT",
+                       help=f"where the ranks' hook exporters listen: on HOST, rank r on PORT + r (default: "
+                            f"--listen's host, port $MEMTEL_PORT or {HOOK_PORT})")
+    serve.add_argument("--memtel-port", type=port, default=None, metavar="PORT", help=argparse.SUPPRESS)  # before
     serve.add_argument("--memtel-log-dir", default=None,
                        help="directory for the hook's per-call JSONL logs (default: $MEMTEL_LOG_DIR, else none)")
     serve.add_argument("--model-name", default=None, help="model name served (default lab-<mode>)")
     serve.add_argument("--listen", default=None, metavar="HOST:PORT",
-                       help=f"the address to serve on (default {DEFAULT_LISTEN}, loopback); the hook exporters "
-                            "listen on its HOST too")
+                       help=f"the address to serve on (default {DEFAULT_LISTEN}, loopback)")
     # The spellings before --listen, kept working for scripts and ladders that use them; not shown.
     serve.add_argument("--host", default=None, metavar="HOST", help=argparse.SUPPRESS)
     serve.add_argument("--port", type=port, default=None, metavar="PORT", help=argparse.SUPPRESS)
@@ -113,7 +114,14 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
         raise ConfigError(f"--tenant takes part of the node's emulated memory: it needs --capacity-gb of at least its "
                           f"{args.tenant.nbytes / (1 << 30):g} GiB")
     scale = args.scale if args.scale is not None else (DEFAULT_SIM_SCALE if allocator == "sim" else 1.0)
-    memtel_port = args.memtel_port
+    memtel_addr, memtel_port = listen_address(args)[0], args.memtel_port
+    if args.hook_listen is not None:
+        if memtel_port is not None:
+            raise ConfigError("--hook-listen HOST:PORT says the port: give it without --memtel-port")
+        memtel_addr, memtel_port = parse_listen(args.hook_listen, "--hook-listen")
+        if memtel_port == 0:
+            raise ConfigError("--hook-listen: port 0 picks no port here; expected PORT in 1..65535 (rank r listens "
+                              "on PORT + r)")
     if memtel_port is None:
         env_port = os.environ.get("MEMTEL_PORT", "").strip()
         valid = env_port.isascii() and env_port.isdigit() and len(env_port) <= 5 and 1 <= int(env_port) <= 65535
@@ -122,14 +130,14 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
         memtel_port = int(env_port) if env_port else HOOK_PORT
     if not args.no_hook and memtel_port + args.ranks - 1 > 65535:
         raise ConfigError(f"the hook exporters listen on {memtel_port} + rank: {memtel_port} + {args.ranks - 1} "
-                          "is past 65535; choose a lower --memtel-port")
+                          "is past 65535; choose a lower port in --hook-listen")
     return LabConfig(
         mode=args.mode, ranks=args.ranks, allocator=allocator, shape=shape_from_args(args), scale=scale,
         time_scale=args.time_scale,
         alloc_conf=args.alloc_conf if args.alloc_conf is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         unified_memory=not args.no_unified_memory, memtel_port=memtel_port,
         memtel_log_dir=args.memtel_log_dir or os.environ.get("MEMTEL_LOG_DIR") or None, hook=not args.no_hook,
-        memtel_addr=listen_address(args)[0],
+        memtel_addr=memtel_addr,
         capacity_bytes=None if args.capacity_gb is None else int(args.capacity_gb * (1 << 30)), tenant=args.tenant,
     )
 
