@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from harness.ab.report import Report, Section
@@ -27,7 +28,7 @@ def run_dir(tmp_path):
 
 def test_ab_report_written_again_keeps_the_first_writers_section_note_and_caveat(run_dir):
     section = Section("demo", "About this run (memtel demo)", "The lab model cannot read.", placement="lead",
-                      data={"prediction_agrees": True})
+                      data={"prediction_agrees": True, "ratio": float("nan"), "count": np.int64(3)})  # as summary.json
     Report.build(run_dir).write([section], {"ttft": [NOTE]}, {"ttft": "not the fix's effect"})
     first = (run_dir / "report.md").read_text()
     (run_dir / "report.md").unlink()

@@ -92,11 +92,14 @@ class Report:
         extras = ReportExtras(tuple(extra_sections), notes, plot_caveats)
         with private_files():
             if extras:  # kept for `memtel ab report` to write again (harness/ab/report/extras.py)
-                save_extras(self.run.run_dir, extras)
+                save_extras(self.run.run_dir, extras, _finite)
             return self._write(extra_sections, notes, plot_caveats)
 
     def write_again(self) -> Path:
         """Write the report again with what its first writer added (the demo's section, notes, plot caveats)."""
+        from harness.ab.rundir import inside_run_dir
+
+        inside_run_dir(self.run.run_dir, EXTRAS_FILE, what="the report's")  # never read through a link out
         extras = load_extras(self.run.run_dir)
         return self.write(extras.sections, extras.notes, extras.plot_caveats)
 

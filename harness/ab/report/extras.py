@@ -10,7 +10,7 @@ refused in one line, never half-used.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +32,11 @@ class ReportExtras:
         return bool(self.sections or self.notes or self.plot_caveats)
 
 
-def save_extras(run_dir: Path, extras: ReportExtras) -> None:
+def save_extras(run_dir: Path, extras: ReportExtras, plain: Callable[[Any], Any]) -> None:
+    """Write `extras` into `run_dir`; `plain` makes a section's data plain JSON as summary.json's is made."""
     data = {"sections": [asdict(section) for section in extras.sections], "notes": dict(extras.notes or {}),
             "plot_caveats": dict(extras.plot_caveats or {})}
-    (run_dir / EXTRAS_FILE).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+    (run_dir / EXTRAS_FILE).write_text(json.dumps(plain(data), indent=1, allow_nan=False) + "\n")
 
 
 def load_extras(run_dir: Path) -> ReportExtras:
