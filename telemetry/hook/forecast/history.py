@@ -13,7 +13,7 @@ compacted (a new size, a free of an older block) is kept, up to `max_ops`; beyon
 (`lost` says why; /snapshot serves the segments without it, and `memtel tune` says its answer is then a best
 case) rather than kept wrong.
 
-Cost: O(candidates) per op (64 by default), plus the episode's comparison when it ends (its length). Sources: an
+Cost: O(log n) per op (n live allocations), plus the episode's comparison when it ends (its length). Sources: an
 allocator source that calls `alloc`/`free` and hands the history to `keep_history` (the program's allocator:
 `set_allocator_source`), and on CUDA torch's own recorder (`torch.cuda.memory._record_memory_history`,
 started with `start_torch_recording()` where MEMTEL_HOOK_HISTORY=1; its ring is compacted here when
@@ -23,8 +23,10 @@ started with `start_torch_recording()` where MEMTEL_HOOK_HISTORY=1; its ring is 
 
 from __future__ import annotations
 
+import heapq
 import os
 import threading
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -34,8 +36,9 @@ TORCH_MAX_ENTRIES = 4_000_000    # torch's ring of trace entries when the hook r
 
 
 class AllocationHistory:
-    """Ops in order, compacted as the module says; thread-safe. Episodes are looked for from each of the last
-    `candidates` allocations (a block that stays live, a model's weights, does not stop the ones after it)."""
+    """Ops in order, compacted as the module says; thread-safe. An episode is looked for from each of the last
+    `candidates` allocations (a block that stays live, a model's weights, does not stop the ones after it): one
+    that started at allocation f ends when no allocation from f on is live, unless it freed an older one first."""
 
     def __init__(self, max_ops: int = MAX_HISTORY_OPS, candidates: int = 64) -> None:
         if max_ops < 1 or candidates < 1:
@@ -46,8 +49,10 @@ class AllocationHistory:
         self._ops: list[list[int | str]] = []
         self._live: dict[int, int] = {}              # key -> op id
         self._next = 0
-        self._open: list[tuple[int, int, set[int]]] = []   # (first op's position, its id, ids it holds live)
+        self._open: deque[tuple[int, int]] = deque()   # (first op's position, its id), oldest first
         self._candidates = candidates
+        self._newest: list[int] = []                 # live ids, negated (a heap: the newest live id on top)
+        self._freed: set[int] = set()                # ids freed but still in the heap
         self._ended: dict[int, tuple[Any, ...]] = {}   # where recent episodes ended -> the signature of the longest
         self._lock = threading.Lock()
 
@@ -61,11 +66,10 @@ class AllocationHistory:
             ident = self._next
             self._next += 1
             self._live[key] = ident
-            for _, _, held in self._open:
-                held.add(ident)
-            self._open.append((len(self._ops), ident, {ident}))
+            heapq.heappush(self._newest, -ident)
+            self._open.append((len(self._ops), ident))
             if len(self._open) > self._candidates:
-                del self._open[0]
+                self._open.popleft()
             self._ops.append(["a", ident, nbytes])
             self._bound()
 
@@ -78,13 +82,17 @@ class AllocationHistory:
                 self._give_up("a free of an address it never saw allocated (recording began late)")
                 return
             self._ops.append(["f", ident])
-            # an episode that started after this block was allocated is not self-contained
-            self._open = [c for c in self._open if c[1] <= ident]
+            opened = self._open
+            while opened and opened[-1][1] > ident:   # started after this block: they freed an older one
+                opened.pop()
+            self._freed.add(ident)
+            newest = self._newest
+            while newest and -newest[0] in self._freed:
+                self._freed.discard(-heapq.heappop(newest))
+            last_live = -newest[0] if newest else -1
             ended = None
-            for candidate in self._open:
-                candidate[2].discard(ident)
-                if not candidate[2] and ended is None:
-                    ended = candidate   # the earliest start: the longest self-contained window
+            while opened and opened[-1][1] > last_live:   # nothing from their start on is live: they all end
+                ended = opened.pop()
             if ended is not None:
                 self._episode_ended(ended[0])
             self._bound()
@@ -96,13 +104,11 @@ class AllocationHistory:
 
     def _episode_ended(self, start: int) -> None:
         window = self._ops[start:]
-        first = window[0][1]
-        signature = tuple((op[0], int(op[1]) - int(first), op[2] if op[0] == "a" else 0) for op in window)
-        self._open = [c for c in self._open if c[2]]   # the window's own candidates have ended with it
+        first = int(window[0][1])
+        signature = tuple((op[0], int(op[1]) - first, op[2] if op[0] == "a" else 0) for op in window)
         if self._ended.get(start) == signature:   # the same episode, just before this one
             del self._ops[start:]
             self.dropped += len(window)
-            self._open = [c for c in self._open if c[0] < start]
             self._ended = {end: sig for end, sig in self._ended.items() if end <= start}
         else:
             self._ended[len(self._ops)] = signature
@@ -117,7 +123,9 @@ class AllocationHistory:
         self.lost = why
         self._ops = []
         self._live = {}
-        self._open = []
+        self._open.clear()
+        self._newest = []
+        self._freed = set()
         self._ended = {}
 
 
