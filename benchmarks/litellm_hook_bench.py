@@ -24,6 +24,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 from litellm import Router
 
 from telemetry.catalogue.metrics import FORECAST_FIT_BUDGET, FORECAST_LAST_SUCCESS, FORECAST_MAX_PREFILL_TOKENS
+from telemetry.litellm.gate import HOLD_KEY, Gate
+from telemetry.litellm.gauges import GateSettings, GaugeBook
 from telemetry.litellm.pre_call import MemtelPreCall
 from telemetry.litellm.routing import MemtelRouting
 
@@ -54,8 +56,8 @@ async def run(calls: int) -> list[float]:
                    "model_info": {"id": f"d{i}", "memtel_hooks": [f"http://127.0.0.1:{s.server_address[1]}"]}}
                   for i, s in enumerate(servers)]
     router = Router(model_list=model_list)
-    pre, routing = MemtelPreCall(router=router), MemtelRouting()
-    routing.book = pre.book
+    gate = Gate(GaugeBook(GateSettings()))
+    pre, routing = MemtelPreCall(gate, router=router), MemtelRouting(gate)
     messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(1000))}]
     deployments = router.get_model_list(model_name="m") or []
     seconds = []
@@ -65,10 +67,10 @@ async def run(calls: int) -> list[float]:
         data = await pre.async_pre_call_hook(None, None, data, "acompletion")
         await routing.async_filter_deployments("m", list(deployments), messages, {"metadata": data["metadata"]})
         elapsed = time.perf_counter() - started
-        pre._release(f"c{i}")
+        gate.release(data["metadata"][HOLD_KEY])
         if i >= 100:  # the first calls start the scrapes
             seconds.append(elapsed)
-    pre.book.close()
+    await gate.aclose()
     return seconds
 
 

@@ -2,14 +2,20 @@
 
 `Gate.decide` takes the call's type, the client's body and the deployments its model names (pre_call.py finds
 them in LiteLLM's router) and either passes it untouched (a model of no guarded deployment), admits it to one
-deployment holding its tokens (`Admitted`), or raises a `Refusal`. It fails closed:
+deployment holding its tokens (`Admitted`), or raises a `Refusal`. The decisions are the admission core's
+(telemetry/admission): one `Admission` per set of deployments a model names, over one `Replica` per deployment
+(shared by every set: their readings, holds and pool membership are one), and the gate only performs them:
+`CountFirst` asks the deployment's /tokenize, `ReadModels` its /v1/models, `Hold` waits until the core wakes the
+prompt (a hook answered, a hold was released), its deadline (`MEMTEL_LITELLM_HOLD_S`) or its client leaving,
+`Forward` pins the request to the replica's deployment, a refusal is raised. It fails closed:
 
-- a model that names no deployment while the proxy guards some (a deployment id, `openai/<name>`, a typo) is
-  refused (400): the gate cannot say where it would go;
-- a call to a guarded deployment whose route the gate does not size (`/v1/messages`, `/v1/responses`,
-  embeddings) is refused (400), as is a body it cannot size (`PromptError`: the guard's own 400);
-- a deployment that refuses a connection (/tokenize, its hook) leaves the pool (gauges.GaugeBook.leave) and the
-  prompt is decided again over the others; none left: 503 `no_replica` with Retry-After.
+- a model that names no deployment while the proxy guards some (a typo, a name LiteLLM would route past the
+  gate) is refused (400): the gate cannot say where it would go;
+- a call to a guarded deployment whose route the gate does not size (`/v1/messages`, embeddings) is refused
+  (400), as is a body it cannot size (`PromptError`: the guard's own 400);
+- a deployment that refuses a connection (/tokenize, its hook, LiteLLM's own call) leaves the pool
+  (gauges.GaugeBook.leave, mirrored into the core's pool) and the prompt is decided again over the others; none
+  left: 503 `no_replica` with Retry-After.
 
 Holds are keyed by a secret the gate draws (`HOLD_KEY` in the request's metadata, any value the client sent
 there dropped), never by a client-chosen call id, and end on the first of: LiteLLM's success or failure event,
@@ -21,7 +27,6 @@ admission holds, 0 tokens included, so every one is released once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import secrets
 import time
@@ -29,21 +34,34 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from telemetry.catalogue.fields import GUARD_UPSTREAM_UNAVAILABLE
-from telemetry.guard.admission import admit
-from telemetry.guard.at_best import AtBest, deployment_at_best
+from telemetry.admission import (
+    Admission,
+    CountFirst,
+    Forward,
+    Hold,
+    Now,
+    Prompt,
+    PromptError,
+    ReadModels,
+    Refusal,
+    Replica,
+    Settings,
+    measure,
+    parse_models,
+)
+from telemetry.admission.prompt import CHAT_COMPLETIONS, COMPLETIONS, RESPONSES
 from telemetry.guard.limit import LimitTracker
-from telemetry.guard.prompt import CHAT_COMPLETIONS, COMPLETIONS, PromptError, measure
-from telemetry.guard.refusal import RETRY_AFTER_S, Refusal, error_body
 from telemetry.litellm import client
-from telemetry.litellm.gauges import GaugeBook, Room, deployment_hooks, deployment_id, roomiest, upstream_root
-from telemetry.litellm.refusals import GATE, bad_request
+from telemetry.litellm.gauges import GaugeBook, deployment_hooks, deployment_id, upstream_root
+from telemetry.litellm.refusals import bad_request
 from telemetry.litellm.upstream import Unreachable, Upstreams, served_model
 
 # LiteLLM's call types whose prompt the gate sizes, and the route whose body they carry.
 SIZED = {"completion": CHAT_COMPLETIONS, "acompletion": CHAT_COMPLETIONS,
-         "text_completion": COMPLETIONS, "atext_completion": COMPLETIONS}
+         "text_completion": COMPLETIONS, "atext_completion": COMPLETIONS,
+         "responses": RESPONSES, "aresponses": RESPONSES}
 HOLD_KEY = "memtel_hold"  # the request's metadata: the key of its hold, drawn by the gate
+MAX_HELD = 256  # prompts waiting for room at once (the core's queue); more: a 503 at once
 
 
 class ClientLeft(Exception):
@@ -51,36 +69,15 @@ class ClientLeft(Exception):
 
 
 @dataclass(frozen=True)
-class Hold:
-    tracker: LimitTracker
-    tokens: int
-
-
-@dataclass(frozen=True)
 class Admitted:
-    """Where the prompt goes (None: the router's choice, the gate blind) and the key of its hold (None: none)."""
+    """Where the prompt goes and the key of its hold."""
 
-    deployment: dict[str, Any] | None
-    hold_key: str | None
-
-
-def no_replica(reasons: Sequence[str]) -> Refusal:
-    retry_after = RETRY_AFTER_S["no_replica"]
-    message = (f"{GATE}: every deployment of the model group is out of the pool ({'; '.join(reasons)[:400]}); "
-               f"retry in {retry_after} s")
-    return Refusal(503, error_body(GUARD_UPSTREAM_UNAVAILABLE, message, 503, reason="no_replica", retryable=True),
-                   retry_after, reason="no_replica")
+    deployment: dict[str, Any]
+    hold_key: str
 
 
-def group_at_best(rooms: list[Room], deployments: int) -> tuple[AtBest | None, str | None]:
-    """The model group's at-best limit, as the guard's over its replicas (the permanent 400's rule, at_best.py);
-    unknown while a deployment of the group names no hooks or is out of the pool (nothing says what it could
-    take)."""
-    if len(rooms) != deployments:
-        return None, "a deployment of the model group names no memtel hooks"
-    if any(room.left is not None for room in rooms):
-        return None, "a deployment of the model group is out of the pool"
-    return deployment_at_best([room.tracker for room in rooms])
+def now() -> Now:
+    return Now(time.monotonic(), time.time())
 
 
 def named_deployments(router: Any, model: object) -> tuple[list[dict[str, Any]], bool]:
@@ -103,8 +100,13 @@ class Gate:
     def __init__(self, book: GaugeBook, upstreams: Upstreams | None = None) -> None:
         self.book = book
         self.upstreams = upstreams or Upstreams()
-        self.held: dict[str, Hold] = {}
-        self._trackers: dict[str, LimitTracker] = {}  # deployment id -> its tracker (to leave the pool by id)
+        self.held: dict[str, tuple[Admission, Forward]] = {}
+        self._replicas: dict[str, Replica] = {}  # deployment key -> its replica, shared by every admission
+        self._deployments: dict[str, dict[str, Any]] = {}  # replica name -> its deployment
+        self._admissions: dict[tuple[str, ...], Admission] = {}
+        self._woken: dict[Prompt, asyncio.Future[None]] = {}
+        self._pumping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def decide(self, call_type: str, body: dict[str, Any], deployments: Sequence[dict[str, Any]],
                      any_guarded: bool, gone: Callable[[], Awaitable[None]] = client.left) -> Admitted | None:
@@ -117,71 +119,147 @@ class Gate:
                 raise bad_request(f"the model {str(model)[:100]!r} names no deployment of this proxy; ask for a "
                                   f"model group (model_list's model_name)", "model", "unknown_model")
             return None
-        if not any(deployment_hooks(d) for d in deployments):
+        guarded = [d for d in deployments if deployment_hooks(d)]
+        if not guarded:
             return None  # no deployment it names is guarded (a hosted API)
         path = SIZED.get(call_type)
         if path is None:
             raise bad_request(f"this route ({call_type}) is not sized by the gate and the model's deployments are "
-                              f"guarded; send the prompt to /v1/chat/completions or /v1/completions", None,
-                              "unsized_route")
+                              f"guarded; send the prompt to /v1/chat/completions, /v1/completions or /v1/responses",
+                              None, "unsized_route")
         try:
-            size = measure(path, body)
+            prompt = Prompt(measure(path, body))
         except PromptError as error:
             raise bad_request(str(error), "messages" if path == CHAT_COMPLETIONS else "prompt") from None
-        return await self._admit(size, list(deployments), gone)
+        admission = await self._admission(guarded)
+        return await self._perform(admission, prompt, gone)
 
-    async def _admit(self, size: Any, deployments: list[dict[str, Any]],
-                     gone: Callable[[], Awaitable[None]]) -> Admitted:
-        settings = self.book.settings
+    # -- the core's decisions, performed ---------------------------------------------------------------------
+    async def _perform(self, admission: Admission, prompt: Prompt, gone: Callable[[], Awaitable[None]]) -> Admitted:
         started = time.monotonic()
-        deadline = started + settings.hold_s
-        leaving: asyncio.Future[None] | None = None  # the client leaving, watched from the first wait on
+        leaving: asyncio.Future[None] | None = None  # the client leaving, watched from the first hold on
         try:
             while True:
-                rooms = await self.book.rooms(deployments)
-                for room in rooms:
-                    if (found := deployment_id(room.deployment)) is not None:
-                        self._trackers[found] = room.tracker
-                if rooms and all(room.left is not None for room in rooms):
-                    raise no_replica([room.left or "" for room in rooms])
-                best = roomiest(rooms)
-                if best is None:
-                    return Admitted(None, None)  # all blind: pass, as --when-blind admit
-                room = best
-                deployment = room.deployment
-                root = upstream_root(deployment) or ""
-                sized = dataclasses.replace(size, model=served_model(deployment) or size.model)
-                try:
-                    tokens, counted_by = await admit(
-                        sized, room.tracker, self.book.context(root),
-                        tokenize=functools.partial(self.upstreams.tokenize, root, deployment, sized),
-                        fetch_models=functools.partial(self.upstreams.fetch_models, root, deployment,
-                                                       settings.timeout_s),
-                        blind=lambda: (0, "blind"), rejected=lambda reason: None,
-                        at_best=functools.partial(group_at_best, rooms, len(deployments)))
-                except Unreachable as exc:
-                    self.book.leave(room.tracker, str(exc))
-                    continue  # decided again without it
-                except Refusal as refusal:
-                    left = deadline - time.monotonic()
-                    if refusal.retry_after is not None and left > 0:  # held the whole hold_s, decided again at its end
-                        leaving = leaving or asyncio.ensure_future(gone())
-                        # the gauge moves once a scrape
-                        await asyncio.wait((leaving,), timeout=min(settings.poll_s / 4, left))
-                        if leaving.done():
-                            raise ClientLeft(f"{time.monotonic() - started:.2f}") from None
-                        continue
-                    raise
-                break
+                self._sync_pool(admission)
+                if not any(r.healthy for r in admission.replicas):
+                    raise admission.no_replica().refusal
+                decision = admission.decide(prompt, now())
+                if isinstance(decision, Forward):
+                    return self._forwarded(admission, decision)
+                if isinstance(decision, CountFirst):
+                    await self._count(admission, prompt, decision)
+                elif isinstance(decision, ReadModels):
+                    await self._read_models(admission, decision.replica)
+                elif isinstance(decision, Hold):
+                    leaving = leaving or asyncio.ensure_future(gone())
+                    if not await self._wait(admission, prompt, decision, leaving):
+                        raise ClientLeft(f"{time.monotonic() - started:.2f}")
+                else:
+                    raise decision.refusal
         finally:
             if leaving is not None:
                 leaving.cancel()
-        if counted_by == "blind":
-            return Admitted(deployment, None)
+
+    def _forwarded(self, admission: Admission, forward: Forward) -> Admitted:
         key = secrets.token_urlsafe(16)
-        self.held[key] = Hold(room.tracker, tokens)
+        self.held[key] = (admission, forward)
         client.on_end(functools.partial(self.release, key))  # whatever ends the request ends its hold
-        return Admitted(deployment, key)
+        return Admitted(self._deployments[forward.replica.name], key)
+
+    async def _count(self, admission: Admission, prompt: Prompt, ask: CountFirst) -> None:
+        deployment = self._deployments[ask.replica.name]
+        body = dict(ask.body)
+        body["model"] = served_model(deployment) or body.get("model")
+        try:
+            prompt.counted(await self.upstreams.count(upstream_root(deployment) or "", deployment, body))
+        except Refusal as refusal:
+            prompt.not_counted(refusal)
+        except Unreachable as exc:  # nothing reached it: out of the pool, decided again over the others
+            self._leave(ask.replica, str(exc))
+
+    async def _read_models(self, admission: Admission, replica: Replica) -> None:
+        deployment = self._deployments[replica.name]
+        try:
+            status, data = await self.upstreams.fetch_models(upstream_root(deployment) or "", deployment,
+                                                             self.book.settings.timeout_s)
+        except Exception:  # unknown max-model-len: a refusal is transient, never a failure of its own
+            status, data = 0, b""
+        admission.models_read(replica, (parse_models(data) or None) if status == 200 else None, now())
+
+    async def _wait(self, admission: Admission, prompt: Prompt, hold: Hold, leaving: asyncio.Future[None]) -> bool:
+        """Wait until the core wakes `prompt` or its deadline passes (True: decide again), or its client leaves
+        (False: it has left the queue)."""
+        woken = self._woken[prompt] = asyncio.get_running_loop().create_future()
+        try:
+            self.kick()  # it may fit already (a hold was released between its refusal and now)
+            left = hold.deadline - time.monotonic()
+            if left > 0:
+                await asyncio.wait((woken, leaving), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if leaving.done():
+                admission.leave(prompt, now())
+                self.kick()
+                return False
+            return True
+        finally:
+            del self._woken[prompt]
+
+    def kick(self) -> None:
+        """The limit may have risen (a hook answered, a hold was released, a replica came back): the core says
+        which held prompts to decide again, on the loop's next turn (many kicks, one pump)."""
+        if self._woken and not self._pumping:
+            self._pumping = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        self._pumping = False
+        for admission in self._admissions.values():
+            for prompt in admission.wake(now()) if admission.line.waiters else ():
+                woken = self._woken.get(prompt)
+                if woken is not None and not woken.done():
+                    woken.set_result(None)
+
+    # -- replicas and the pool -------------------------------------------------------------------------------
+    async def _admission(self, deployments: list[dict[str, Any]]) -> Admission:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # the book starts again on a new loop (tests start several); so does the gate
+            self._replicas.clear()
+            self._deployments.clear()
+            self._admissions.clear()
+            self.held.clear()
+            self._loop = loop
+        rooms = await self.book.rooms(deployments)  # the trackers, each hook's first answer awaited
+        replicas = []
+        for room in rooms:
+            key = deployment_id(room.deployment) or f"{upstream_root(room.deployment)} {id(room.tracker)}"
+            replica = self._replicas.get(key)
+            if replica is None or replica.readings is not room.tracker:
+                replica = self._replicas[key] = Replica(key, room.tracker)
+                room.tracker.subscribe(self.kick)
+            self._deployments[key] = room.deployment
+            replicas.append(replica)
+        names = tuple(r.name for r in replicas)
+        found = self._admissions.get(names)
+        if found is None:
+            settings = Settings(when_blind="admit", queue_s=self.book.settings.hold_s, max_queued=MAX_HELD)
+            found = self._admissions[names] = Admission(replicas, settings)
+        return found
+
+    def _sync_pool(self, admission: Admission) -> None:
+        """The core's pool as the book has it: a deployment that refused a connection is out until its hooks have
+        answered again (GaugeBook.left)."""
+        for replica in admission.replicas:
+            assert isinstance(replica.readings, LimitTracker)
+            why = self.book.left(replica.readings)
+            if why is not None and replica.healthy:
+                admission.pool.leave(replica, why)
+            elif why is None and not replica.healthy:
+                admission.pool.back(replica)
+                self.kick()
+
+    def _leave(self, replica: Replica, why: str) -> None:
+        assert isinstance(replica.readings, LimitTracker)
+        self.book.leave(replica.readings, why)
+        replica.healthy, replica.health_error = False, why
 
     async def aclose(self) -> None:
         """Stop the scrapes and close the engines' connections (a test's end; a proxy keeps its gate)."""
@@ -192,19 +270,20 @@ class Gate:
         """The hold's prefill is over (the call ended, however): once, whatever calls it first."""
         held = self.held.pop(key, None) if isinstance(key, str) else None
         if held is not None:
-            held.tracker.release(held.tokens)
+            admission, forward = held
+            admission.release(forward, now())
+            self.kick()
 
     def leave(self, deployment: object, reason: str) -> None:
         """LiteLLM could not connect to a deployment (its id): out of the pool, as /tokenize's refusal does."""
-        tracker = self._trackers.get(deployment) if isinstance(deployment, str) else None
-        if tracker is not None:
-            self.book.leave(tracker, reason)
+        replica = self._replicas.get(deployment) if isinstance(deployment, str) else None
+        if replica is not None:
+            self._leave(replica, reason)
 
     def in_pool(self, deployment: dict[str, Any]) -> bool:
         found = deployment_id(deployment)
-        tracker = self._trackers.get(found) if found is not None else None
-        return tracker is None or self.book.left(tracker) is None
+        replica = self._replicas.get(found) if found is not None else None
+        return replica is None or self.book.left(replica.readings) is None  # type: ignore[arg-type]
 
 
-__all__ = ["HOLD_KEY", "SIZED", "Admitted", "ClientLeft", "Gate", "Hold", "group_at_best", "named_deployments",
-           "no_replica"]
+__all__ = ["HOLD_KEY", "MAX_HELD", "SIZED", "Admitted", "ClientLeft", "Gate", "named_deployments"]

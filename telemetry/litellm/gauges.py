@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 
+from telemetry.admission.readings import HookState, Limit, RankFit, parse_hook
 from telemetry.errors import ConfigError, printable, shown
-from telemetry.guard.limit import MAX_METRICS_BYTES, HookState, Limit, LimitTracker, RankFit, parse_hook
-from telemetry.guard.refusal import ContextLength
+from telemetry.guard.limit import MAX_METRICS_BYTES, LimitTracker
 from telemetry.url import Endpoint, parse_url
 
 HOOKS_KEY = "memtel_hooks"
@@ -158,14 +158,13 @@ def read_hook(body: bytes) -> tuple[list[RankFit], list[str]]:
 
 
 class GaugeBook:
-    """One LimitTracker per set of hooks, each hook scraped by its own task on the running loop; max-model-len
-    per upstream; the pool: the trackers whose deployment refused a connection, until they answer again."""
+    """One LimitTracker per set of hooks, each hook scraped by its own task on the running loop; which trackers'
+    deployments refused a connection, until they answer again (the gate mirrors it into the core's pool)."""
 
     def __init__(self, settings: GateSettings) -> None:
         self.settings = settings
         self._trackers: dict[tuple[str, ...], LimitTracker] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._contexts: dict[str, ContextLength] = {}
         self._left: dict[int, tuple[float, str]] = {}  # id(tracker): (monotonic time it left, why)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.loop_failures = 0  # a scrape loop's failures that were not a hook's (logged once each kind)
@@ -222,9 +221,6 @@ class GaugeBook:
             log.warning("memtel: a deployment is back in the pool (%s)", ", ".join(h.target.url for h in tracker.hooks))
             return None
         return reason
-
-    def context(self, root: str) -> ContextLength:
-        return self._contexts.setdefault(root, ContextLength())
 
     def close(self) -> None:
         for task in self._tasks:

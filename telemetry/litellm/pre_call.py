@@ -2,8 +2,9 @@
 
 For each request, the hook finds the deployments its model names in LiteLLM's router (the model group, a
 deployment's id, a deployment's `litellm_params.model`, aliases and wildcards as the router resolves them) and
-asks the gate: passed, the request goes on untouched; admitted, it is pinned to the gate's deployment
-(metadata `memtel_deployment`, read by routing.py) with the key of its hold (metadata `memtel_hold`); refused,
+asks the gate, which performs the admission core's decisions (gate.py): passed, the request goes on untouched;
+admitted, it is pinned to the gate's deployment (metadata `memtel_deployment`, read by routing.py) with the key
+of its hold (metadata `memtel_hold`); refused,
 the gate's `Refusal` is raised as LiteLLM's `ProxyException` (refusals.py): a permanent misfit or a request the
 gate cannot size or attribute is a 400 with `x-should-retry: false`, a transient one a 503 with `Retry-After`
 after it was held up to `MEMTEL_LITELLM_HOLD_S`. A client that leaves while its prompt is held ends the hold at
@@ -32,8 +33,8 @@ from litellm.constants import LITELLM_CLIENT_DISCONNECT_DETAIL
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException
 
+from telemetry.admission.refusal import Refusal
 from telemetry.errors import ConfigError, printable
-from telemetry.guard.refusal import Refusal
 from telemetry.litellm import client
 from telemetry.litellm.gate import HOLD_KEY, ClientLeft, Gate, named_deployments
 from telemetry.litellm.gauges import ENV, PIN_KEY, GateSettings, GaugeBook, deployment_id
@@ -148,11 +149,10 @@ class MemtelPreCall(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no typ
         metadata = data.get("metadata")
         if not isinstance(metadata, dict):
             metadata = data["metadata"] = {}
-        pinned = deployment_id(admitted.deployment) if admitted.deployment is not None else None
+        pinned = deployment_id(admitted.deployment)
         if pinned is not None:
             metadata[PIN_KEY] = pinned
-        if admitted.hold_key is not None:
-            metadata[HOLD_KEY] = admitted.hold_key
+        metadata[HOLD_KEY] = admitted.hold_key
         return data
 
     async def async_log_success_event(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any,

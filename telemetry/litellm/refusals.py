@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from telemetry.admission.refusal import Refusal, error_body
 from telemetry.catalogue.fields import GUARD_BAD_REQUEST
-from telemetry.guard.refusal import Refusal, error_body
 
 GATE = "memtel's LiteLLM gate"
 _GUARD = "memtel guard:"

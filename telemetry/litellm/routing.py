@@ -18,7 +18,7 @@ from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
 
-from telemetry.guard.prompt import CHAT_COMPLETIONS, PromptError, measure
+from telemetry.admission.prompt import CHAT_COMPLETIONS, PromptError, measure
 from telemetry.litellm.gate import Gate
 from telemetry.litellm.gauges import PIN_KEY, GaugeBook, deployment_id, roomiest
 from telemetry.litellm.pre_call import GATE

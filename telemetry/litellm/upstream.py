@@ -17,9 +17,8 @@ from typing import Any
 
 import httpx
 
+from telemetry.admission.refusal import MAX_MODELS_BYTES, MODELS_PATH, Refusal, error_body
 from telemetry.catalogue.fields import GUARD_UPSTREAM_ERROR, GUARD_UPSTREAM_UNAVAILABLE
-from telemetry.guard.prompt import PromptSize
-from telemetry.guard.refusal import MAX_MODELS_BYTES, MODELS_PATH, Refusal, error_body
 from telemetry.litellm.refusals import GATE
 
 # The engine tokenizes a long prompt in about a second per MB on a busy node (BENCHMARKS.md, the lab's
@@ -27,7 +26,9 @@ from telemetry.litellm.refusals import GATE
 TOKENIZE_TIMEOUT_S = 30.0
 # vLLM's answer lists the prompt's token ids (about 8 bytes each): a 1M-token prompt's is ~8 MB.
 MAX_TOKENIZE_ANSWER_BYTES = 64 << 20
-CONNECTIONS_PER_ENGINE = 64
+# At most this many connections to one engine at once: a burst of counts waits for a kept-alive one instead of
+# opening a connection each (an engine's listen backlog can be small: Python's http.server's is 5).
+CONNECTIONS_PER_ENGINE = 16
 
 
 class Unreachable(Exception):
@@ -63,7 +64,9 @@ class Upstreams:
         if found is None:
             limits = httpx.Limits(max_connections=CONNECTIONS_PER_ENGINE,
                                   max_keepalive_connections=CONNECTIONS_PER_ENGINE)
-            found = self._clients[root] = httpx.AsyncClient(trust_env=False, limits=limits)
+            # No timeout of httpx's own (its 5 s for a free connection would fail a burst): each call has one
+            # deadline over its whole exchange.
+            found = self._clients[root] = httpx.AsyncClient(trust_env=False, limits=limits, timeout=None)
         return found
 
     async def aclose(self) -> None:
@@ -71,33 +74,37 @@ class Upstreams:
         for found in clients:
             await found.aclose()
 
-    async def tokenize(self, root: str, deployment: Mapping[str, Any], size: PromptSize,
-                       timeout_s: float = TOKENIZE_TIMEOUT_S) -> int:
-        """The engine's count of the prompt plus what /tokenize does not take; a Refusal (502 or the engine's own
-        answer) when it gives none; Unreachable when the engine refuses the connection."""
-        assert size.tokenize_body is not None
-        body = dict(size.tokenize_body)
-        model = served_model(deployment)
-        if model is not None:
-            body["model"] = model
+    async def count(self, root: str, deployment: Mapping[str, Any], body: Mapping[str, Any],
+                    timeout_s: float = TOKENIZE_TIMEOUT_S) -> int:
+        """The engine's /tokenize `count` of `body` (asked with the deployment's own model); a Refusal (502) when it
+        gives none; Unreachable when the engine refuses the connection."""
+        body = {**body, "model": served_model(deployment) or body.get("model")}
+
         async def ask() -> tuple[int, bytes | None]:
             async with self.client(root).stream("POST", f"{root}/tokenize", json=body,
                                                 headers=_headers(deployment)) as answer:
                 return answer.status_code, await _read_capped(answer, MAX_TOKENIZE_ANSWER_BYTES)
 
+        async def ask_again_on_a_closed_connection() -> tuple[int, bytes | None]:
+            try:
+                return await ask()
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                return await ask()  # a kept-alive connection the engine had closed: once more (/tokenize is safe)
+
         try:
-            status, data = await asyncio.wait_for(ask(), timeout_s)
+            status, data = await asyncio.wait_for(ask_again_on_a_closed_connection(), timeout_s)
         except httpx.ConnectError as exc:
             raise Unreachable(f"{root}/tokenize: {type(exc).__name__}: {exc}"[:300]) from None
         except (httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
-            why = f"{type(exc).__name__}: {str(exc) or 'no whole answer in time'}"[:300]
+            said = "no whole answer in time" if isinstance(exc, asyncio.TimeoutError) else "the connection failed"
+            why = f"{type(exc).__name__}: {str(exc) or said}"[:300]
             raise Refusal(502, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"{GATE}: the upstream could not count the "
                                           f"prompt's tokens (/tokenize): {why}", 502)) from None
         count = await asyncio.to_thread(_count, data) if status == 200 and data is not None else None
         if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= 1 << 31:
             raise Refusal(502, error_body(GUARD_UPSTREAM_ERROR, f"{GATE}: the upstream's /tokenize answered "
                                           f"{status} without a token count", 502))
-        return count + size.counted_tokens
+        return count
 
     async def fetch_models(self, root: str, deployment: Mapping[str, Any], timeout_s: float) -> tuple[int, bytes]:
         """One GET of the engine's /v1/models: (status, body), for refusal.ContextLength."""

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 
-from telemetry.guard.refusal import Refusal
+from telemetry.admission.refusal import Refusal
 from telemetry.litellm import client
 from telemetry.litellm.gate import Admitted, ClientLeft, Gate, named_deployments
 from telemetry.litellm.gauges import GateSettings, GaugeBook
@@ -99,7 +100,7 @@ def test_an_unknown_model_is_refused_where_the_proxy_guards_a_deployment() -> No
 
 def test_a_route_the_gate_does_not_size_is_refused_for_a_guarded_deployment(hook: StubHook) -> None:
     guarded = [deployment("a", "http://127.0.0.1:9", [hook.url])]
-    for call_type in ("aresponses", "anthropic_messages", "aembedding"):
+    for call_type in ("anthropic_messages", "aembedding", "aimage_generation"):
         def job(gate: Gate, c: str = call_type) -> Awaitable[Admitted | None]:
             return gate.decide(c, {"model": "llm", "input": "hi"}, guarded, True)
 
@@ -175,9 +176,9 @@ def test_a_deployment_that_refuses_the_connection_leaves_the_pool_and_the_prompt
 
 def held(gate: Gate) -> tuple[int, int, int]:
     """(holds in the gate's book, tokens held, prefills in flight) over its trackers."""
-    trackers = {id(h.tracker): h.tracker for h in gate.held.values()} | {id(t): t for t in gate._trackers.values()}
-    return (len(gate.held), sum(t.in_prefill_tokens for t in trackers.values()),
-            sum(t.book.in_flight for t in trackers.values()))
+    readings = {id(r.readings): r.readings for r in gate._replicas.values()}
+    return (len(gate.held), sum(r.in_prefill_tokens for r in readings.values()),
+            sum(r.book.in_flight for r in readings.values()))
 
 
 async def request(gate: Gate, deployments: list[dict[str, Any]], ending: str) -> tuple[int, int, int]:
@@ -268,3 +269,78 @@ def test_a_client_that_leaves_a_held_prompt_ends_the_hold() -> None:
 
     with pytest.raises(ClientLeft):
         run(job, GateSettings(stale_s=3, timeout_s=1, hold_s=5))
+
+
+def test_a_held_prompt_is_admitted_when_the_hold_ahead_of_it_is_released(upstream: StubUpstream) -> None:
+    """The core's queue through the gate: a second prompt that does not fit beside the first waits, is woken by the
+    first one's release (not by a poll) and admitted long before its deadline."""
+    hooks = StubHook(lambda: exposition(10_000))
+    try:
+        deployments = [deployment("a", upstream.url, [hooks.url])]
+
+        async def job(gate: Gate) -> tuple[float, Admitted | None]:
+            first = await gate.decide(CHAT, chat(3_000), deployments, True)
+            assert first is not None
+            asyncio.get_running_loop().call_later(0.2, gate.release, first.hold_key)
+            started = time.monotonic()
+            second = await gate.decide(CHAT, chat(3_000), deployments, True)
+            return time.monotonic() - started, second
+
+        waited, second = run(job, GateSettings(stale_s=3, timeout_s=1, hold_s=5))
+    finally:
+        hooks.stop()
+    assert second is not None and second.deployment["model_info"]["id"] == "a"
+    assert 0.15 < waited < 1.0
+
+
+def test_a_deployment_litellm_could_not_reach_leaves_the_pool(upstream: StubUpstream, hook: StubHook) -> None:
+    """LiteLLM's failure event names the deployment it could not connect to: the next prompt goes to the other one
+    although the first still has the most room by its (fresh) forecast."""
+    big = StubHook(lambda: exposition(500_000, node="big"))
+    try:
+        dead = deployment("dead", upstream.url, [big.url])
+        alive = deployment("alive", upstream.url, [hook.url])
+
+        async def job(gate: Gate) -> tuple[str, str]:
+            first = await gate.decide(CHAT, chat(10), [dead, alive], True)
+            assert first is not None
+            gate.release(first.hold_key)
+            gate.leave("dead", "LiteLLM could not connect to it")
+            second = await gate.decide(CHAT, chat(10), [dead, alive], True)
+            assert second is not None
+            return first.deployment["model_info"]["id"], second.deployment["model_info"]["id"]
+
+        assert run(job) == ("dead", "alive")
+    finally:
+        big.stop()
+
+
+def test_a_deployment_whose_hook_refuses_the_connection_is_decided_around(upstream: StubUpstream,
+                                                                            hook: StubHook) -> None:
+    """The deployment with the most room: its hook (in its engine's process) stops answering connections; the
+    next prompt goes to the other one while the dead one's last forecast still looks fresh."""
+    big = StubHook(lambda: exposition(500_000, node="big"))
+    stopped = False
+    try:
+        dead = deployment("dead", upstream.url, [big.url])
+        alive = deployment("alive", upstream.url, [hook.url])
+
+        async def job(gate: Gate) -> tuple[str, str]:
+            nonlocal stopped
+            first = await gate.decide(CHAT, chat(10), [dead, alive], True)
+            assert first is not None
+            gate.release(first.hold_key)
+            big.stop()
+            stopped = True
+            deadline = time.monotonic() + 3
+            while not gate.book.left(gate._replicas["dead"].readings):  # type: ignore[arg-type]
+                assert time.monotonic() < deadline, "the dead deployment never left the pool"
+                await asyncio.sleep(0.05)
+            second = await gate.decide(CHAT, chat(10), [dead, alive], True)
+            assert second is not None
+            return first.deployment["model_info"]["id"], second.deployment["model_info"]["id"]
+
+        assert run(job, GateSettings(stale_s=1, timeout_s=0.5, hold_s=0)) == ("dead", "alive")
+    finally:
+        if not stopped:
+            big.stop()
