@@ -62,7 +62,7 @@ async def run(calls: int) -> list[float]:
     deployments = router.get_model_list(model_name="m") or []
     seconds = []
     for i in range(calls + 100):
-        data = {"model": "m", "messages": messages, "litellm_call_id": f"c{i}"}
+        data: dict[str, Any] = {"model": "m", "messages": messages, "litellm_call_id": f"c{i}"}
         started = time.perf_counter()
         data = await pre.async_pre_call_hook(None, None, data, "acompletion")
         await routing.async_filter_deployments("m", list(deployments), messages, {"metadata": data["metadata"]})
