@@ -82,6 +82,7 @@ class KmsgCollector:
 def build(config: DaemonConfig) -> KmsgCollector:
     from telemetry.daemon.kmsg.classify import Classifier
     from telemetry.daemon.kmsg.counts import KmsgCounts
+    from telemetry.daemon.kmsg.position import default_position_path
     from telemetry.daemon.kmsg.state import STATE_FILE_NAME, read_boot_id
 
     kmsg = config.kmsg
@@ -90,5 +91,6 @@ def build(config: DaemonConfig) -> KmsgCollector:
         KmsgCounts(kmsg.burst_window_seconds, kmsg.max_xid_codes),
         state_path=config.state_dir / STATE_FILE_NAME,
         boot_id=read_boot_id(str(config.proc_root / "sys/kernel/random/boot_id")),
+        position_path=default_position_path(config.state_dir),
     )
     return KmsgCollector(follower, tuple(p.name for p in kmsg.patterns))

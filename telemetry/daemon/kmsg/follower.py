@@ -5,7 +5,9 @@ buffer overwrote records we had not read yet; reading then goes on from the olde
 and the gap in sequence numbers is counted as missed records. A plain file or a FIFO given with
 `--kmsg` is read line by line and followed like `tail -f`.
 
-A restart resumes after the saved sequence number. If the kernel's sequence numbers went backwards
+A restart resumes after the saved sequence number. Without a state file (a lost state directory), it
+resumes after the position the last daemon of this boot left in the runtime directory (position.py), with
+counters from 0, instead of counting the whole ring buffer again. If the kernel's sequence numbers went backwards
 (the saved record is not the kernel's record of that number, or the newest record is older than
 the saved one: a reboot whose boot id could not be told apart), the counts start from zero and the
 log is read again from its oldest record, instead of skipping every new record as "already counted".
@@ -27,7 +29,8 @@ from pathlib import Path
 
 from telemetry.catalogue.metrics import KMSG_STATE_WRITE_FAILURES
 from telemetry.daemon.kmsg.classify import Classifier
-from telemetry.daemon.kmsg.counts import KmsgCounts
+from telemetry.daemon.kmsg.counts import CountsSnapshot, KmsgCounts
+from telemetry.daemon.kmsg.position import Position, load_position, save_position
 from telemetry.daemon.kmsg.record import KmsgRecord, parse_record
 from telemetry.daemon.kmsg.state import load_state, save_state
 
@@ -48,12 +51,14 @@ class KmsgFollower:
         boot_id: str,
         persist_interval: float = 1.0,
         retry_interval: float = 10.0,
+        position_path: Path | None = None,
     ) -> None:
         self.path = path
         self.classifier = classifier
         self.counts = counts
         self.state_path = state_path
         self.boot_id = boot_id
+        self.position_path = position_path
         self.persist_interval = persist_interval
         self.retry_interval = retry_interval
         self.error: str | None = None  # why the log is not being read right now
@@ -77,10 +82,17 @@ class KmsgFollower:
             return
         result = load_state(self.state_path, self.boot_id, self.path)
         (log.warning if result.problem else log.info)("%s", result.message)
-        if result.snapshot is not None:
-            self.counts.restore(result.snapshot)
-            self._have_seq = result.snapshot.last_seq is not None
-            self._resume_seq, self._resume_usec = result.snapshot.last_seq, result.snapshot.last_usec
+        snapshot = result.snapshot
+        if snapshot is None and not result.problem and self.position_path is not None:
+            # A lost state file: resume where the last daemon of this boot stopped, counters from 0.
+            position, why = load_position(self.position_path, self.boot_id, self.path)
+            log.info("%s", why)
+            if position is not None:
+                snapshot = CountsSnapshot(last_seq=position.last_seq, last_usec=position.last_usec)
+        if snapshot is not None:
+            self.counts.restore(snapshot)
+            self._have_seq = snapshot.last_seq is not None
+            self._resume_seq, self._resume_usec = snapshot.last_seq, snapshot.last_usec
         self.counts.set_state_write_failures(result.state_write_failures)
 
     def start(self) -> None:
@@ -102,6 +114,7 @@ class KmsgFollower:
             return
         self._last_persist = now
         snapshot = self.counts.snapshot()
+        self._save_position(snapshot)
         try:
             save_state(self.state_path, snapshot, self.boot_id, self.path)
             self._dirty = False
@@ -110,6 +123,16 @@ class KmsgFollower:
             # strerror, not str(exc): the message names a random temporary file and must log once per cause.
             self._log_once(f"cannot write the kmsg state file {self.state_path}: {exc.strerror or exc} (the last good "
                            f"state is kept; counted in {KMSG_STATE_WRITE_FAILURES.series})")
+
+    def _save_position(self, snapshot: CountsSnapshot) -> None:
+        if self.position_path is None or snapshot.last_seq is None or self.boot_id == "unknown":
+            return
+        try:
+            save_position(self.position_path, Position(self.boot_id, self.path, snapshot.last_seq,
+                                                       snapshot.last_usec))
+        except OSError as exc:
+            self._log_once(f"cannot write the kernel-log position {self.position_path}: {exc.strerror or exc} "
+                           "(a daemon that loses its state directory will count the kernel log again)")
 
     # -- reading ------------------------------------------------------------------------------------
     def _run(self) -> None:
