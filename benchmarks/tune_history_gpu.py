@@ -16,8 +16,9 @@ Needs CUDA (torch with a GPU); written for the H200 and not yet run (no device w
 4. The real edge: fresh processes (one per length) run the history then a prefill of N tokens; the prediction and
    the token after it first, then a walk and a bisection until the longest length that fits and the first that
    runs out of memory are one token apart (or the deadline). The probe of the first misfit records the sizes of
-   its last chunk step's allocations (`last_step_bytes`), which settles whether the edge moved with a size the
-   model does not have (the defaults were one token over on shared/data/tune-truth).
+   its last chunk step's allocations (`last_step_bytes`) and the allocator's own trace of them (`trace_tail`):
+   whether the edge moved with a size the model does not have (the defaults were one token over on
+   shared/data/tune-truth, whose capture script is not in the repo; this one launches as the model does).
 
 Writes DIR/tune-history.json after each setting and prints a table: predicted against real per setting.
 """
@@ -147,6 +148,8 @@ def child(fraction: float, tokens: int, sim: bool = False) -> dict[str, Any]:
         out.update(snapshot=segments, history=backend.ops, reserved=int(inner.counters().reserved_bytes))
         return out
     backend.sizes = []
+    if not sim:   # every allocation the prefill makes, the allocator's own view (anything the model lacks shows)
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=100_000)
     try:
         run_prefill(backend, shape, "stock", tokens)
         inner.finish()
@@ -154,6 +157,11 @@ def child(fraction: float, tokens: int, sim: bool = False) -> dict[str, Any]:
     except out_of_memory:
         out["fits"] = False
     out["last_step_bytes"] = backend.sizes[-shape.layers * 3:]   # per layer: the logits, the top-k values, indices
+    if not sim:
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        out["trace_tail"] = [[e["action"], e["size"]] for e in trace[-60:] if e["action"] in
+                             ("alloc", "free_completed", "segment_alloc", "segment_free", "oom")]
     return out
 
 
@@ -213,6 +221,7 @@ def real_edge(conf: str, fraction: float, guess: int, deadline: float) -> dict[s
     exact = good is not None and ((bad is None and good == top) or (bad is not None and bad - good == 1))
     return {"longest_fit": good, "first_oom": bad, "exact": exact,
             "last_step_bytes_at_first_oom": None if bad is None else tried[bad]["last_step_bytes"],
+            "trace_tail_at_first_oom": None if bad is None else tried[bad].get("trace_tail"),
             "probes": len(tried)}
 
 
