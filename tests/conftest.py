@@ -71,7 +71,8 @@ SHARED_GROUPS = {
 }
 LONGEST_FIRST = ("tests/ab/test_vllm_ladder.py", "live-stack", "vllm-shared", "tests/alerts/test_score.py",
                  "tests/ab/test_lab_ladder.py", "tests/daemon/test_flight_daemon.py", "kmsg",
-                 "tests/demo/test_demo.py", "tests/dashboards/test_prometheus_rules.py", "tests/litellm/test_proxy.py")
+                 "tests/ray/test_router.py", "tests/demo/test_demo.py", "tests/dashboards/test_prometheus_rules.py",
+                 "tests/litellm/test_proxy.py")
 _SHARED_VLLM = {"vllm_servers", "vllm_counting", "vllm_indexer", "vllm_under_run"}  # the fixtures of vllm-shared
 _GROUP_OF_MODULE = {module: group for group, modules in SHARED_GROUPS.items() for module in modules}
 

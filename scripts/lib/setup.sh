@@ -68,6 +68,20 @@ ensure_litellm_venv() {
     printf '%s' "$want" > "$venv/.memtel-stamp"
 }
 
+# ensure_ray_venv: .venv-ray with memtel[ray] (Ray Serve and memtel's request router; docs/ray.md). Its own venv:
+# Ray brings its own pins (grpcio, protobuf, pydantic) and about 250 MB; the tests run the Ray app from it.
+ensure_ray_venv() {
+    local venv="$ROOT/.venv-ray" want have=""
+    want=$(stamp_of ray)
+    [ -f "$venv/.memtel-stamp" ] && have=$(cat "$venv/.memtel-stamp")
+    if [ -x "$venv/bin/python" ] && [ "$have" = "$want" ]; then return 0; fi
+    [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
+    log "installing memtel[ray] into $venv (about a minute when new)"
+    pip_quiet "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+    pip_quiet "$venv/bin/python" -m pip install -q -e "$ROOT[ray]"
+    printf '%s' "$want" > "$venv/.memtel-stamp"
+}
+
 # ensure_system_packages: Debian's prometheus (server and promtool) and prometheus-alertmanager
 # (alertmanager and amtool) for the live tests, and tmux (memtel top is tested in a real terminal).
 ensure_system_packages() {
