@@ -172,3 +172,16 @@ def test_the_cli_replays_the_history_and_refuses_one_that_does_not_lead_to_the_s
     assert code == 2 and err.count("\n") == 1 and "more than the bound of 100" in err, err
     code, out, err = _cli(tmp_path, base, [ops[1], *ops])   # a free before its allocation: out of order
     assert code == 2 and err.count("\n") == 1 and "is live" in err, err
+
+
+def test_a_trace_brings_its_own_history() -> None:
+    """`--trace` (a torch memory history from the start): each setting from its ops replayed, as with --history."""
+    done = call_main(["tune", "--trace", str(GC_TRACE), "--target-tokens", "4096", "--memory-gb", "6",
+                      "--layers", "2", "--chunk", "2048", "--max-model-len", "16384", "--budget-mb", "64",
+                      "--expandable-segments", "True,False", "--max-split-mb", "none", "--roundup", "none",
+                      "--gc-threshold", "none", "--budgets-mb", "64", "--chunks", "2048", "--modes", "stock",
+                      "--json"])
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["history_ops"] == len(load_history(GC_TRACE, max_bytes=2**30).ops)
+    assert not any(o["best_case"] for o in doc["ranked"])
