@@ -273,9 +273,9 @@ def hooked_child(kind: str, variant: str, segments: int, tokens: list[int], seco
     if variant == "on_full":
         os.environ["MEMTEL_FORECAST_SHADOW"] = "off"
     import telemetry
+    from telemetry.fit_budget import set_forecast_budget
     from telemetry.hook import set_allocator_source
     from telemetry.hook.forecast import set_forecast_workload
-    from telemetry.hook.forecast.budget import set_forecast_budget
     from telemetry.hook.forecast.snapshot_native.reader import coalesced
     from telemetry.model.indexer.shape import REFERENCE_SHAPE
 

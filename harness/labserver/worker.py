@@ -155,10 +155,10 @@ class Rank:
         if not self.config.hook:
             return
         import telemetry
+        from telemetry.fit_budget import node_headroom, set_forecast_budget
         from telemetry.hook import set_allocator_source
         from telemetry.hook.config import forecast_options
         from telemetry.hook.forecast import set_forecast_workload
-        from telemetry.hook.forecast.budget import node_headroom, set_forecast_budget
 
         sim = self.config.allocator == "sim"
         if sim:

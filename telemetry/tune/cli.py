@@ -189,7 +189,7 @@ def _limit(args: argparse.Namespace, state: Any) -> tuple[int, bool, str, int | 
     counters = state.counters
     if args.memory_gb is not None:
         return int(args.memory_gb * 1024**3), True, f"--memory-gb {args.memory_gb:g}", None
-    from telemetry.hook.forecast.budget import node_headroom, reserve_bytes, sharing_ranks, unified_base
+    from telemetry.fit_budget import node_headroom, reserve_bytes, sharing_ranks, unified_base
     from telemetry.procfs.meminfo import parse_meminfo
 
     try:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from telemetry.fit_budget import set_forecast_budget
 from telemetry.hook import active_handle, set_allocator_source
 from telemetry.hook.forecast import set_forecast_workload
-from telemetry.hook.forecast.budget import set_forecast_budget
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 tests/fixtures/fit-truth-own/h200-torch2.11-shared-device.json is what benchmarks/fit_edge_gpu.py recorded on an
 H200 (issue 32): another process held all but 5 GiB of the device; per allocator state and setting a fresh process
 per length found the longest prefill that fits and the first that runs out of memory, one token apart. The
-budget rule (telemetry/hook/forecast/budget.py: the device's free memory less the driver's slack, in 2 MiB pages)
+budget rule (telemetry/fit_budget.py: the device's free memory less the driver's slack, in 2 MiB pages)
 and the simulator, from each recorded snapshot, must give exactly that edge with MEMTEL_GUARD_RESERVE_MB=0.
 
 Three states took their snapshot before the prefill's kernel was ever launched in the process: under CUDA's
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.hook.forecast.budget import DRIVER_SLACK_BYTES, discrete_base
+from telemetry.fit_budget import DRIVER_SLACK_BYTES, discrete_base
 from telemetry.hook.forecast.compute import with_fraction
 from telemetry.model.allocsim.simulator import SimulatedOutOfMemoryError
 from telemetry.model.allocsim.snapshot import read_allocator_state, seeded_simulator

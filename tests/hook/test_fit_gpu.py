@@ -54,7 +54,7 @@ def test_the_gauge_fits_and_a_chunk_more_runs_out_of_memory(alloc_conf):
 @pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"])
 def test_on_a_shared_device_the_gauge_fits_and_a_chunk_more_runs_out_of_memory(alloc_conf):
     """Issue 32: another process holds all but 1.6 GiB of the device; no memory fraction, MEMTEL_GUARD_RESERVE_MB=0,
-    so the gauge is the raw edge under the driver's own limit (less the driver's slack, forecast/budget.py)."""
+    so the gauge is the raw edge under the driver's own limit (less the driver's slack, telemetry/fit_budget.py)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")

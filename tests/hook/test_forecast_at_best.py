@@ -14,9 +14,9 @@ import marshal
 from prometheus_client import CollectorRegistry
 
 from telemetry.catalogue.metrics import FORECAST_MAX_PREFILL_TOKENS, FORECAST_MAX_PREFILL_TOKENS_AT_BEST
+from telemetry.fit_budget import set_forecast_budget
 from telemetry.hook import set_allocator_source
 from telemetry.hook.forecast import set_forecast_workload
-from telemetry.hook.forecast.budget import set_forecast_budget
 from telemetry.hook.forecast.collector import ForecastCollector
 from telemetry.hook.forecast.compute import CycleOutput, decode_output, encode_output
 from telemetry.hook.forecast.runner import Forecaster

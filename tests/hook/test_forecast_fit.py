@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 
 from telemetry.errors import ConfigError
-from telemetry.hook import allocator, set_allocator_source
-from telemetry.hook.forecast import set_forecast_workload
-from telemetry.hook.forecast.budget import (
+from telemetry.fit_budget import (
     DISCRETE,
     UNIFIED,
     discrete_base,
@@ -31,6 +29,8 @@ from telemetry.hook.forecast.budget import (
     unified_base,
     unified_budget,
 )
+from telemetry.hook import allocator, set_allocator_source
+from telemetry.hook.forecast import set_forecast_workload
 from telemetry.hook.forecast.compute import decode_request, encode_request, with_fraction
 from telemetry.hook.forecast.helper import ForecastHelper
 from telemetry.hook.forecast.runner import BUDGET, SIMULATION, UNAVAILABLE, Forecaster

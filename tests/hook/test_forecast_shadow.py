@@ -282,9 +282,9 @@ class SimulatedExtension:
 
 @pytest.fixture
 def shadowed(monkeypatch):
+    from telemetry.fit_budget import set_forecast_budget
     from telemetry.hook.allocator import CudaAllocatorReader
     from telemetry.hook.forecast import set_forecast_workload
-    from telemetry.hook.forecast.budget import set_forecast_budget
     from telemetry.hook.forecast.runner import Forecaster
     from telemetry.model.indexer.shape import IndexerShape
 

@@ -20,9 +20,9 @@ import types
 
 import pytest
 
+from telemetry.fit_budget import set_forecast_budget
 from telemetry.hook import set_allocator_source
 from telemetry.hook.forecast import set_forecast_workload
-from telemetry.hook.forecast.budget import set_forecast_budget
 from telemetry.hook.forecast.runner import SNAPSHOT, Forecaster
 from telemetry.hook.forecast.snapshot_native import build
 from telemetry.hook.forecast.snapshot_native.codec import (

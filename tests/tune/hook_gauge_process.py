@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import telemetry
+    from telemetry.fit_budget import set_forecast_budget
     from telemetry.hook import set_allocator_source
     from telemetry.hook.forecast import set_forecast_workload
-    from telemetry.hook.forecast.budget import set_forecast_budget
     from telemetry.hook.forecast.history import AllocationHistory, keep_history
     from telemetry.model.indexer.backends import SimBackend
     from telemetry.model.indexer.prefill import LaunchPattern, run_prefill

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from telemetry.hook.forecast.budget import BudgetBase, FitBudget
+from telemetry.fit_budget import BudgetBase, FitBudget
 
 if TYPE_CHECKING:
     from telemetry.hook.forecast.workload import ForecastWorkload

@@ -42,7 +42,7 @@ from telemetry.hook.forecast.snapshot_native.reader import ALLOCATOR_SOURCE, Nat
 from telemetry.hook.forecast.workload import REFERENCE, ForecastWorkload, process_alloc_conf, program_workload
 
 if TYPE_CHECKING:
-    from telemetry.hook.forecast.budget import BudgetBase, FitBudget
+    from telemetry.fit_budget import BudgetBase, FitBudget
     from telemetry.hook.forecast.compute import CycleOutput
     from telemetry.model.indexer.fit import MaxFit
     from telemetry.model.indexer.forecast import Forecast
@@ -255,7 +255,7 @@ class Forecaster:
         return f"{head}, the reference workload (MEMTEL_FORECAST_SHAPE unset)"
 
     def _budget_rule(self) -> str:
-        from telemetry.hook.forecast.budget import budget_rule
+        from telemetry.fit_budget import budget_rule
 
         try:
             return budget_rule(self.environ)
@@ -471,7 +471,7 @@ class Forecaster:
     def _budget_base(self, device: int | None) -> BudgetBase | None:
         """The fit budget's base now; None (counted under `budget` when reading it failed, said once when there is
         none)."""
-        from telemetry.hook.forecast.budget import read_budget_base
+        from telemetry.fit_budget import read_budget_base
 
         try:
             base = read_budget_base(self.reader(), device, environ=self.environ)

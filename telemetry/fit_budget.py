@@ -1,4 +1,5 @@
 """The fit budget: how much memory this rank's allocator may still take for a prefill, beyond its live bytes.
+Its own room, below the hook's live forecast, `memtel tune` and the lab server, which all read it.
 
 `memtel_forecast_max_prefill_tokens` is the longest prefill whose simulated peak reserved stays within
 allocated + budget (telemetry/model/indexer/fit.py); `memtel_forecast_fit_budget_bytes` is the budget. On every
