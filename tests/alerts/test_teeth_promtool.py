@@ -320,6 +320,7 @@ def test_a_batch_promtool_cannot_evaluate_is_named(tmp_path):
         promtool.evaluate_all(lines, [rules], {HEADROOM})
 
 
+@pytest.mark.slow
 @pytest.mark.prometheus
 def test_a_rule_promtool_stops_at_its_sample_limit_fails_the_score(tmp_path):
     """promtool reports a rule it could not evaluate (6,000 series on each side of `and`: 12,000 samples) and
