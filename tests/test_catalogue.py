@@ -93,7 +93,7 @@ def _daemon_sources() -> dict[str, Collector]:
     # are 0, and the mode is this host's to say): the faults' success ratio is exported too.
     window = types.SimpleNamespace(add=lambda _vmstat: FaultOutcomes(90, 10, 300.0))
     headroom = HeadroomCollector(meminfo, buddyinfo, vmstat_path=vmstat, window=window)  # type: ignore[arg-type]
-    headroom.faults_are_evidence = True
+    headroom.reader.faults_are_evidence = True
     return {
         "meminfo": MeminfoCollector(meminfo), "vmstat": VmstatCollector(vmstat),
         "pressure": PressureCollector(str(PROC / "pressure-memory.x86_64-debian12-24g")),

@@ -121,27 +121,26 @@ def build_collectors(config: DaemonConfig) -> dict[str, Collector]:
 
 
 def build_protect(config: DaemonConfig) -> Protect:
-    """The protect loop of a daemon config (telemetry/daemon/protect.py): it reads the headroom with the headroom
-    collector's code, MemTotal from meminfo, the engines' starts from the local hook exporters of
-    `flight.hook_targets` (none configured: no start explains a fall), and the roles of the process collector."""
-    from telemetry.catalogue.metrics import UNIFIED_HEADROOM
-    from telemetry.daemon.collectors.headroom import HeadroomCollector
+    """The protect loop of a daemon config (telemetry/daemon/protect.py): it reads the headroom with the headroom's
+    definition (telemetry.procfs.headroom.HeadroomReader, the reading the headroom collector exports), MemTotal
+    from meminfo, the engines' starts from the local hook exporters of `flight.hook_targets` (none configured: no
+    start explains a fall), and the roles of the process collector."""
     from telemetry.daemon.protect import Protect, Reading, start_remaining_bytes
     from telemetry.flight.hooks import HookScraper
+    from telemetry.procfs.headroom import HeadroomReader
     from telemetry.procfs.meminfo import MeminfoReader
     from telemetry.url import redact_credentials
 
     root = config.proc_root
-    headroom = HeadroomCollector(str(root / "meminfo"), str(root / "buddyinfo"), vmstat_path=str(root / "vmstat"))
+    headroom = HeadroomReader(str(root / "meminfo"), str(root / "buddyinfo"), vmstat_path=str(root / "vmstat"))
     meminfo = MeminfoReader(str(root / "meminfo"))
     targets = config.flight.hook_targets
     starts = HookScraper(targets, config.protect.interval_seconds) if targets else None
 
     def sample() -> Reading | None:
-        values = {s.name: s.value for family in headroom.collect() for s in family.samples}
+        value = headroom.read().headroom
         total = meminfo.read().get("MemTotal")
-        value = values.get(UNIFIED_HEADROOM.series)
-        if value is None or not total:
+        if not total:
             return None
         return float(value), float(total), {} if starts is None else start_remaining_bytes(starts.latest(), total)
 

@@ -13,6 +13,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from telemetry.procfs.procfile import ProcFile
 
 BUDDYINFO_PATH = "/proc/buddyinfo"
 CONTIGUOUS_BLOCK_BYTES = 2 * 1024 * 1024  # what a GPU driver's large-page allocation asks for
@@ -43,6 +47,14 @@ def parse_buddyinfo(text: str) -> tuple[ZoneFreeBlocks, ...]:
             continue
         zones.append(ZoneFreeBlocks(int(match.group(1)), match.group(2), counts))
     return tuple(zones)
+
+
+def read_free_blocks(file: ProcFile) -> tuple[ZoneFreeBlocks, ...]:
+    """The zones of a buddyinfo file read now; ValueError for a file without one (not a buddyinfo file)."""
+    zones = parse_buddyinfo(file.read_text())
+    if not zones:
+        raise ValueError(f"{file.path} has no `Node N, zone NAME counts...` lines: not a buddyinfo file")
+    return zones
 
 
 def system_page_size() -> int:

@@ -30,6 +30,17 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from telemetry.procfs.buddyinfo import (
+    BUDDYINFO_PATH,
+    CONTIGUOUS_BLOCK_BYTES,
+    free_bytes_in_blocks_of_at_least,
+    read_free_blocks,
+    system_page_size,
+)
+from telemetry.procfs.meminfo import MEMINFO_PATH, MeminfoReader
+from telemetry.procfs.procfile import ProcFile
+from telemetry.procfs.vmstat import VMSTAT_PATH, parse_vmstat
+
 WINDOW_SECONDS = 300.0
 MIN_FAULTS = 8  # fewer huge-page faults in the window than this: no evidence
 FAULT_FIELDS = ("thp_fault_alloc", "thp_fault_fallback")
@@ -116,6 +127,49 @@ class FaultWindow:
             self.samples.popleft()
         first = self.samples[0]
         return FaultOutcomes(alloc - first[1], fallback - first[2], now - first[0])
+
+
+@dataclass(frozen=True)
+class HeadroomReading:
+    """The node's headroom figures at one read: `headroom` (unified_headroom), `without_reclaim`
+    (headroom_without_reclaim) and the huge-page faults' `success_ratio` (None: no evidence)."""
+
+    headroom: int
+    without_reclaim: int
+    success_ratio: float | None
+
+
+class HeadroomReader:
+    """Reads the node's headroom now from meminfo, buddyinfo and vmstat: the one reading the daemon's headroom
+    collector exports and its protect loop acts on. Keeps the fault window (its one piece of state); reads the THP
+    mode once, here. `read()` raises OSError or ValueError where a file cannot be read or is not what it should
+    be (a kernel before 3.14 has no MemAvailable)."""
+
+    def __init__(self, meminfo_path: str = MEMINFO_PATH, buddyinfo_path: str = BUDDYINFO_PATH,
+                 page_size: int | None = None, vmstat_path: str = VMSTAT_PATH,
+                 window: FaultWindow | None = None, thp_sysfs: str = THP_SYSFS) -> None:
+        self.meminfo = MeminfoReader(meminfo_path)
+        self.buddyinfo = ProcFile(buddyinfo_path)
+        self.vmstat = ProcFile(vmstat_path)
+        self.page_size = page_size or system_page_size()
+        self.window = window or FaultWindow()
+        mode = read_thp_mode(thp_sysfs)
+        # Without THP, or where faults fall back without compacting, there is no evidence either way.
+        self.faults_are_evidence = mode is not None and thp_faults_compact(*mode)
+
+    def read(self) -> HeadroomReading:
+        available, _ = self.meminfo.available_and_swap_free()  # the hook's fast read of the one field needed
+        if available is None:
+            raise ValueError(f"{self.meminfo.path} has no MemAvailable line (kernels before 3.14 lack it)")
+        contiguous = free_bytes_in_blocks_of_at_least(read_free_blocks(self.buddyinfo), CONTIGUOUS_BLOCK_BYTES,
+                                                      self.page_size)
+        vmstat = parse_vmstat(self.vmstat.read_text())
+        if not vmstat:
+            raise ValueError(f"{self.vmstat.path} has no `name value` lines: not a vmstat file")
+        outcomes = self.window.add(vmstat)
+        ratio = outcomes.success_ratio if outcomes is not None and self.faults_are_evidence else None
+        return HeadroomReading(unified_headroom(available, contiguous, ratio),
+                               headroom_without_reclaim(available, contiguous), ratio)
 
 
 # -- "falling": one definition for MemtelUnifiedHeadroomFalling and the daemon's protect action ----------------

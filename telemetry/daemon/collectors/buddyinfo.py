@@ -19,20 +19,13 @@ from telemetry.procfs.buddyinfo import (
     ZoneFreeBlocks,
     free_blocks_by_order,
     free_bytes_in_blocks_of_at_least,
-    parse_buddyinfo,
+    read_free_blocks,
     system_page_size,
 )
 from telemetry.procfs.procfile import ProcFile
 
 if TYPE_CHECKING:
     from telemetry.daemon.settings import DaemonConfig
-
-
-def read_free_blocks(file: ProcFile) -> tuple[ZoneFreeBlocks, ...]:
-    zones = parse_buddyinfo(file.read_text())
-    if not zones:
-        raise ValueError(f"{file.path} has no `Node N, zone NAME counts...` lines: not a buddyinfo file")
-    return zones
 
 
 def buddyinfo_families(zones: tuple[ZoneFreeBlocks, ...], page_size: int) -> list[Metric]:

@@ -22,58 +22,30 @@ from telemetry.catalogue.metrics import (
     UNIFIED_HEADROOM,
     UNIFIED_HEADROOM_WITHOUT_RECLAIM,
 )
-from telemetry.daemon.collectors.buddyinfo import read_free_blocks
 from telemetry.daemon.registry import register
-from telemetry.procfs.buddyinfo import (
-    BUDDYINFO_PATH,
-    CONTIGUOUS_BLOCK_BYTES,
-    free_bytes_in_blocks_of_at_least,
-    system_page_size,
-)
-from telemetry.procfs.headroom import (
-    THP_SYSFS,
-    FaultWindow,
-    headroom_without_reclaim,
-    read_thp_mode,
-    thp_faults_compact,
-    unified_headroom,
-)
-from telemetry.procfs.meminfo import MEMINFO_PATH, MeminfoReader
-from telemetry.procfs.procfile import ProcFile
-from telemetry.procfs.vmstat import VMSTAT_PATH, parse_vmstat
+from telemetry.procfs.buddyinfo import BUDDYINFO_PATH
+from telemetry.procfs.headroom import THP_SYSFS, FaultWindow, HeadroomReader
+from telemetry.procfs.meminfo import MEMINFO_PATH
+from telemetry.procfs.vmstat import VMSTAT_PATH
 
 if TYPE_CHECKING:
     from telemetry.daemon.settings import DaemonConfig
 
 
 class HeadroomCollector:
+    """The figures of telemetry.procfs.headroom.HeadroomReader, the reading the daemon's protect also acts on."""
+
     def __init__(self, meminfo_path: str = MEMINFO_PATH, buddyinfo_path: str = BUDDYINFO_PATH,
                  page_size: int | None = None, vmstat_path: str = VMSTAT_PATH,
                  window: FaultWindow | None = None, thp_sysfs: str = THP_SYSFS) -> None:
-        self.meminfo = MeminfoReader(meminfo_path)
-        self.buddyinfo = ProcFile(buddyinfo_path)
-        self.vmstat = ProcFile(vmstat_path)
-        self.page_size = page_size or system_page_size()
-        self.window = window or FaultWindow()
-        mode = read_thp_mode(thp_sysfs)
-        # Without THP, or where faults fall back without compacting, there is no evidence either way.
-        self.faults_are_evidence = mode is not None and thp_faults_compact(*mode)
+        self.reader = HeadroomReader(meminfo_path, buddyinfo_path, page_size, vmstat_path, window, thp_sysfs)
 
     def collect(self) -> list[Metric]:
-        available, _ = self.meminfo.available_and_swap_free()  # the hook's fast read of the one field needed
-        if available is None:
-            raise ValueError(f"{self.meminfo.path} has no MemAvailable line (kernels before 3.14 lack it)")
-        contiguous = free_bytes_in_blocks_of_at_least(read_free_blocks(self.buddyinfo), CONTIGUOUS_BLOCK_BYTES,
-                                                      self.page_size)
-        vmstat = parse_vmstat(self.vmstat.read_text())
-        if not vmstat:
-            raise ValueError(f"{self.vmstat.path} has no `name value` lines: not a vmstat file")
-        outcomes = self.window.add(vmstat)
-        ratio = outcomes.success_ratio if outcomes is not None and self.faults_are_evidence else None
-        families: list[Metric] = [UNIFIED_HEADROOM_WITHOUT_RECLAIM.new(headroom_without_reclaim(available, contiguous)),
-                    UNIFIED_HEADROOM.new(unified_headroom(available, contiguous, ratio))]
-        if ratio is not None:
-            families.append(HUGE_PAGE_FAULT_SUCCESS_RATIO.new(ratio))
+        reading = self.reader.read()
+        families: list[Metric] = [UNIFIED_HEADROOM_WITHOUT_RECLAIM.new(reading.without_reclaim),
+                                  UNIFIED_HEADROOM.new(reading.headroom)]
+        if reading.success_ratio is not None:
+            families.append(HUGE_PAGE_FAULT_SUCCESS_RATIO.new(reading.success_ratio))
         return families
 
 
