@@ -171,3 +171,18 @@ def test_tune_hook_replays_the_history_the_hook_serves() -> None:
     finally:
         keep_history(None)
         server.stop()
+
+
+def test_a_stopped_forecast_is_no_longer_served() -> None:
+    """/snapshot serves the live forecast's last fit only while that forecast runs (a later hook in the same
+    process, or none, must not be answered with it)."""
+    from telemetry.hook.forecast import published
+    from telemetry.hook.forecast.runner import Forecaster
+
+    forecaster = Forecaster((4096,), 5.0, environ={}, helper=False)
+    forecaster.start()
+    try:
+        assert published._provider is not None and published._owner is forecaster
+    finally:
+        forecaster.stop()
+    assert published._provider is None and published.published() is None

@@ -10,13 +10,22 @@ from typing import Any
 
 _lock = threading.Lock()
 _provider: Callable[[], dict[str, Any] | None] | None = None
+_owner: object = None
 
 
-def publish(provider: Callable[[], dict[str, Any] | None] | None) -> None:
-    """Serve `provider()` with /snapshot from now on (None: nothing)."""
-    global _provider
+def publish(provider: Callable[[], dict[str, Any] | None] | None, owner: object = None) -> None:
+    """Serve `provider()` with /snapshot from now on (None: nothing); `owner` may withdraw it."""
+    global _provider, _owner
     with _lock:
-        _provider = provider
+        _provider, _owner = provider, owner
+
+
+def withdraw(owner: object) -> None:
+    """Stop serving what `owner` published (a stopped forecast's last fit is no longer this process's)."""
+    global _provider, _owner
+    with _lock:
+        if owner is not None and _owner is owner:
+            _provider, _owner = None, None
 
 
 def published() -> dict[str, Any] | None:
@@ -30,4 +39,4 @@ def published() -> dict[str, Any] | None:
         return None
 
 
-__all__ = ["publish", "published"]
+__all__ = ["publish", "published", "withdraw"]

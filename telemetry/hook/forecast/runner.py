@@ -545,7 +545,7 @@ class Forecaster:
         torch = sys.modules.get("torch")
         if torch is not None and recording_asked():
             start_torch_recording(torch)
-        publish(lambda: self.results.tune_inputs())
+        publish(lambda: self.results.tune_inputs(), owner=self)
         with self._lock:
             if self._thread is not None or self._stop.is_set():
                 return
@@ -566,6 +566,9 @@ class Forecaster:
 
     def stop(self, timeout: float = 2.0) -> None:
         """End the thread: it stops between two forecasts, so this waits at most one forecast (or `timeout`)."""
+        from telemetry.hook.forecast.published import withdraw
+
+        withdraw(self)
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread() and thread.is_alive():
