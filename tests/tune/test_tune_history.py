@@ -185,3 +185,26 @@ def test_a_trace_brings_its_own_history() -> None:
     doc = json.loads(done.stdout)
     assert doc["history_ops"] == len(load_history(GC_TRACE, max_bytes=2**30).ops)
     assert not any(o["best_case"] for o in doc["ranked"])
+
+
+def test_a_history_that_does_not_rebuild_todays_state_is_said(base: dict, history: History) -> None:
+    """Replayed under today's settings the history must leave the snapshot's reserved bytes; one that does not
+    (here an empty_cache() the process never called) is said with the answer."""
+    from telemetry.model.tune.search import history_check
+
+    setting = process_setting(_shape(base), "", "stock")
+    assert history_check(_problem(base, history), setting) is None
+    emptied = History((*history.ops, ("e", 0, 0)), "emptied")
+    note = history_check(_problem(base, emptied), setting)
+    assert note is not None and "the snapshot 12,259,950,592" in note
+
+
+def test_a_torch_history_with_empty_cache_calls_replays_them() -> None:
+    """empty_cache() leaves no event of its own: its device frees are read as one (as memtel whatif does), so a
+    real GC trace with two empty_cache() calls replays to its own end."""
+    path = GC_TRACE.with_name("gc-a-gc0.5-x1.11-conf-ec2.5.pickle.gz")
+    history = load_history(path, max_bytes=2**30)
+    assert sum(1 for op in history.ops if op[0] == "e") >= 2
+    trace = load_trace(path)
+    assert trace.final is not None
+    assert replay(history, trace.effective_conf).counters == trace.final.counters

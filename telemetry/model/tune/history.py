@@ -8,7 +8,7 @@ cached blocks on the way. Rebuilding that state from the snapshot's live blocks 
 memory trapped by the history). So the history itself is replayed, op by op, on a simulator under each setting.
 
 The history is a sequence of ops: ``("a", id, nbytes)`` an allocation of `nbytes` (requested), ``("f", id)`` its
-free. Sources:
+free, ``("e",)`` a `torch.cuda.empty_cache()`. Sources:
 
 - a JSON list of ``["a", id, bytes]`` / ``["f", id]`` (shared/data/tune-truth's `history_*.json`);
 - a `torch.cuda.memory._dump_snapshot()` pickle recorded with `_record_memory_history()` from the process's
@@ -37,10 +37,10 @@ from telemetry.model.allocsim.config import AllocatorConfig, parse_alloc_conf
 from telemetry.model.allocsim.simulator import SMALL_SIZE, CachingAllocatorSim, SimulatedOutOfMemoryError, round_size
 from telemetry.model.allocsim.snapshot import AllocatorState, read_allocator_state
 from telemetry.model.allocsim.snapshot_file import read_snapshot_file
-from telemetry.model.allocsim.trace import ALLOC, FREE_COMPLETED, FREE_REQUESTED, read_trace
+from telemetry.model.allocsim.trace import read_trace
 
 MAX_HISTORY_OPS = 2_000_000   # ops replayed per setting; about 1 s of CPU per million ops and setting
-Op = tuple[str, int, int]     # ("a", id, nbytes) or ("f", id, 0)
+Op = tuple[str, int, int]     # ("a", id, nbytes), ("f", id, 0) or ("e", 0, 0): torch.cuda.empty_cache()
 
 
 class HistoryError(ConfigError):
@@ -81,6 +81,8 @@ def history_from_ops(entries: Any, *, source: str = "history", max_ops: int = MA
                                    "(ops out of order, or ids reused before their free)")
             live.add(entry[1])
             ops.append(("a", entry[1], entry[2]))
+        elif kind == "e" and len(entry) == 1:   # torch.cuda.empty_cache()
+            ops.append(("e", 0, 0))
         elif kind == "f" and len(entry) == 2 and _uint(entry[1]):
             if entry[1] not in live:
                 raise HistoryError(f"{source}: op {index} {shown(entry)}: frees id {entry[1]}, which is not live "
@@ -88,32 +90,38 @@ def history_from_ops(entries: Any, *, source: str = "history", max_ops: int = MA
             live.discard(entry[1])
             ops.append(("f", entry[1], 0))
         else:
-            raise HistoryError(f"{source}: op {index} {shown(entry)}: expected [\"a\", id, bytes] or [\"f\", id] "
-                               "with non-negative integers")
+            raise HistoryError(f"{source}: op {index} {shown(entry)}: expected [\"a\", id, bytes], [\"f\", id] "
+                               "with non-negative integers, or [\"e\"]")
     return History(tuple(ops), source)
 
 
 def history_from_trace(doc: Mapping[str, Any], *, device: int | None = None, source: str = "trace",
                        max_ops: int = MAX_HISTORY_OPS) -> History:
-    """The ops of a recorded memory history (`_dump_snapshot()` after `_record_memory_history()`)."""
+    """The ops of a recorded memory history (`_dump_snapshot()` after `_record_memory_history()`): its allocations
+    and frees, and its `empty_cache()` calls as `memtel whatif` infers them (device frees no allocation caused;
+    telemetry/model/allocsim/whatif.py)."""
+    from telemetry.model.allocsim.whatif import OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, plan_trace
+
     trace = read_trace(doc, device=device, source=source, max_objects=max_ops)
-    free_code = FREE_COMPLETED if any(e[0] == FREE_COMPLETED for e in trace.events) else FREE_REQUESTED
+    effective = parse_alloc_conf(trace.effective_conf)
+    collects = effective.garbage_collection_threshold > 0 and effective.per_process_memory_fraction is not None
+    plan = plan_trace(trace, collects, trace.effective_conf)
+    if plan.unknown_frees or plan.unknown_segment_frees:
+        raise HistoryError(f"{source}: frees of blocks or segments the history never allocated: it lost its start "
+                           "(the ring of max_entries, or recording began late); record from the process's start "
+                           "with a larger max_entries")
+    if plan.reused_live_addresses:
+        raise HistoryError(f"{source}: allocations at addresses that are live (entries out of order)")
     ids: dict[int, int] = {}
     ops: list[Op] = []
-    for index, (code, addr, size) in enumerate(trace.events):
-        if code == ALLOC:
-            if addr in ids:
-                raise HistoryError(f"{source}: trace entry {index}: an allocation at {addr:#x}, which is live "
-                                   "(entries out of order)")
+    for code, addr, size in plan.ops:
+        if code == OP_ALLOC:
             ids[addr] = len(ops)
             ops.append(("a", len(ops), size))
-        elif code == free_code:
-            ident = ids.pop(addr, None)
-            if ident is None:
-                raise HistoryError(f"{source}: trace entry {index}: a free at {addr:#x} that the history never "
-                                   "allocated: it lost its start (the ring of max_entries, or recording began "
-                                   "late); record from the process's start with a larger max_entries")
-            ops.append(("f", ident, 0))
+        elif code == OP_FREE:
+            ops.append(("f", ids.pop(addr), 0))
+        elif code == OP_EMPTY_CACHE:
+            ops.append(("e", 0, 0))
     if len(ops) > max_ops:
         raise HistoryError(f"{source}: {len(ops):,} ops, more than the bound of {max_ops:,}")
     return History(tuple(ops), source)
@@ -142,7 +150,7 @@ def live_sizes(history: History) -> list[int]:
     for kind, ident, nbytes in history.ops:
         if kind == "a":
             live[ident] = nbytes
-        else:
+        elif kind == "f":
             del live[ident]
     return [n for n in live.values() if n]
 
@@ -177,8 +185,10 @@ def replay(history: History, config: str | AllocatorConfig, *, capacity_bytes: i
     for kind, ident, nbytes in history.ops:
         if kind == "a":
             handles[ident] = malloc(nbytes)
-        else:
+        elif kind == "f":
             free(handles.pop(ident))
+        else:
+            sim.empty_cache()
     state = read_allocator_state(sim.snapshot(device), device=device, source=f"{history.source} replayed",
                                  max_blocks=2**62)
     return dataclasses.replace(state, alloc_conf=config if isinstance(config, str) else None)

@@ -163,6 +163,7 @@ class TuneResult:
     settings: int                   # settings in the space
     simulations: int                # simulated prefills in all
     cpu_seconds: float
+    notes: tuple[str, ...] = ()     # what the answer rests on that may not hold (history_check)
 
     @property
     def best(self) -> Outcome:
@@ -390,8 +391,29 @@ def tune(problem: Problem, expanded: Expanded, process: Setting, *, top: int = D
             pruned.append(dataclasses.replace(ranked.pop(), pruned="below the top"))
     if problem.history is None:
         ranked = best_cases_after_today(problem, ranked, mine)
+    check = history_check(problem, process)
     return TuneResult(problem, tuple(ranked), tuple(pruned), mine, expanded.left_out, len(expanded.settings),
-                      counter.simulations, time.process_time() - started)
+                      counter.simulations, time.process_time() - started, () if check is None else (check,))
+
+
+def history_check(problem: Problem, process: Setting) -> str | None:
+    """Why the history may not be the whole story, or None: replayed under today's settings it must leave the
+    snapshot's reserved bytes; where it does not, something the ops do not hold made the difference (an
+    `empty_cache()`, allocations outside the history), and every setting's replay lacks it too."""
+    if problem.history is None:
+        return None
+    conf, capacity, total = simulated_limit(problem, process.alloc_conf)
+    want = problem.state.counters.reserved_bytes
+    try:
+        got = replay(problem.history, conf, capacity_bytes=capacity, total_memory=total,
+                     device=problem.state.device).counters.reserved_bytes
+    except SimulatedOutOfMemoryError:
+        return "the history runs out of memory when replayed under today's settings: it is not this process's"
+    if got == want:
+        return None
+    return (f"the history replayed under today's settings reserves {got:,} bytes, the snapshot {want:,}: something "
+            "the ops do not hold (an empty_cache(), allocations outside the history) made the difference, and "
+            "the other settings' replays lack it too")
 
 
 def best_cases_after_today(problem: Problem, ranked: list[Outcome], mine: Outcome) -> list[Outcome]:
@@ -424,4 +446,5 @@ def suggest_utilization(outcome: Outcome, problem: Problem, current: float, tota
 
 
 __all__ = ["CAPS", "DEFAULT_TOP", "Outcome", "Problem", "TuneResult", "best_cases_after_today", "evaluate",
+           "history_check",
            "launches_per_prefill", "same_conf", "simulated_limit", "suggest_utilization", "tune"]
