@@ -9,6 +9,15 @@ is loaded when `ModelRunner.load_model` returns. `ModelRunner.initialize` loads 
 start; read from its source, not run here. SGLang sizes the indexer's logits budget itself and has no
 fixed-width switch: its workload is not read (the forecast uses MEMTEL_FORECAST_SHAPE or the reference).
 
+The start (issue 38: SGLang's start paged MemtelUnifiedHeadroomFalling where vLLM's is explained). SGLang's
+static memory (weights and KV pool) is `mem_fraction_static` of the memory available before the weights load:
+`ModelRunner.init_torch_distributed` stores that figure (`pre_model_load_memory`, GiB, from
+`get_available_gpu_memory`), and the KV pool is sized to leave `pre_model_load_memory * (1 -
+mem_fraction_static)` free (sglang/srt/mem_cache/kv_cache_configurator.py, `_profile_available_bytes`). So the
+start begins when `init_torch_distributed` returns, with a plan of `pre_model_load_memory *
+mem_fraction_static`, and ends when `ModelRunner.initialize` returns, as vLLM's does between `init_device` and
+warm-up (docs/alerts.md, "Falling").
+
 What `memtel tune` sets: the chunk (`--chunked-prefill-size`) and the memory share (`--mem-fraction-static`). The
 logits budget is sized from free memory (sglang/srt/layers/attention/mqa_logits_utils.py:
 `SGLANG_DSA_MQA_LOGITS_FREE_MEM_FRACTION`, default 0.2, of the free memory, at most 0.3 of the device), so it is
@@ -17,6 +26,7 @@ no MiB setting and is not searched; only the stock width runs.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from telemetry.engines.registry import Applied, Engine, PresetSite, Tuning, register, tensors_in
@@ -25,6 +35,8 @@ if TYPE_CHECKING:
     from telemetry.model.tune.space import Setting
 
 PREFILL_PRESET = "sglang-sparse-indexer"
+# Returns once SGLang knows what its start will hold (start_plan_bytes), before the weights load.
+START_BEGIN = "sglang.srt.model_executor.model_runner:ModelRunner.init_torch_distributed"
 BUDGET_VARIABLE = "SGLANG_DSA_MQA_LOGITS_FREE_MEM_FRACTION"
 
 PRESETS: dict[str, tuple[PresetSite, ...]] = {
@@ -120,6 +132,22 @@ def kv_cache_tensors(worker: Any) -> list[Any] | None:
     return list(tensors_in([b for b in buffers if b is not None])) or None
 
 
+def start_plan_bytes(worker: Any, held_bytes: int | None) -> int | None:
+    """What SGLang's start will hold once done, as it budgets it: `mem_fraction_static` of the memory available
+    before its weights loaded (`pre_model_load_memory`, GiB). None where the runner shows neither."""
+    available_gib = _number(getattr(worker, "pre_model_load_memory", None))
+    fraction = _number(getattr(worker, "mem_fraction_static", None))
+    if available_gib is None or fraction is None or not (0 < fraction <= 1 and 0 < available_gib < 1 << 24):
+        return None   # a share of at most 16 PiB, or no plan
+    return int(available_gib * fraction * (1 << 30))
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 def tuned(setting: Setting, budget_mib: str) -> Applied:
     """`memtel tune`'s setting as SGLang's switches: the chunk; the budget is SGLang's own (a note says so)."""
     return Applied({}, ["--chunked-prefill-size", str(setting.chunk)],
@@ -130,13 +158,16 @@ def tuned(setting: Setting, budget_mib: str) -> Applied:
 ENGINE = register(Engine(
     name="sglang", title="SGLang", order=20, presets=PRESETS, package="sglang",
     model_loaded=("sglang.srt.model_executor.model_runner:ModelRunner.load_model",),
-    engine_memory=("sglang.srt.model_executor.model_runner:ModelRunner.initialize",),
+    engine_memory=("sglang.srt.model_executor.model_runner:ModelRunner.initialize",
+                   START_BEGIN),
+    start_begin=(START_BEGIN,),
     started=("ModelRunner.initialize",),
-    model=model, kv_cache=kv_cache_tensors,
+    model=model, kv_cache=kv_cache_tensors, start_plan=start_plan_bytes,
     world="sglang.srt.distributed.parallel_state",   # a copy of vLLM's; its local rank is the scheduler's gpu_id
     serve=("python3", "-m", "sglang.launch_server", "--model-path", "{model}", "--host", "{host}", "--port", "{port}"),
     tuning=Tuning(PREFILL_PRESET, ("stock",), budget_is_setting=False, utilization_flag="--mem-fraction-static",
                   apply=tuned),
 ))
 
-__all__ = ["BUDGET_VARIABLE", "ENGINE", "PREFILL_PRESET", "PRESETS", "kv_cache_tensors", "model", "tuned"]
+__all__ = ["BUDGET_VARIABLE", "ENGINE", "PREFILL_PRESET", "PRESETS", "START_BEGIN", "kv_cache_tensors", "model",
+           "start_plan_bytes", "tuned"]

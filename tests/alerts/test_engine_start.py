@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client.registry import CollectorRegistry
 
 from telemetry.catalogue.metrics import ENGINE_START_REMAINING
@@ -82,3 +83,65 @@ def test_a_real_vllm_start_recorded_by_the_flight_recorder_says_where_the_node_e
     assert len(during) >= 3 and during[0][1] > 2 * GIB  # the start was seen before most of its KV cache was taken
     settled = timeline.records[-20].values[headroom]  # served for 20 s after it was healthy
     assert all(abs(h - remaining - settled) < GIB for h, remaining in during), (during, settled)
+
+
+# -- SGLang's start (issue 38): its budget is known before its weights load, as vLLM's is ----------------------
+def test_sglangs_plan_is_mem_fraction_static_of_the_memory_available_before_its_weights():
+    runner = SimpleNamespace(pre_model_load_memory=113.0, mem_fraction_static=0.85)
+    assert start_plan_bytes(runner, None) == int(113.0 * 0.85 * GIB)
+    assert start_plan_bytes(runner, 7 * GIB) == int(113.0 * 0.85 * GIB)   # the plan is the budget, not on top
+    for bad in (dict(pre_model_load_memory=113.0), dict(mem_fraction_static=0.85),
+                dict(pre_model_load_memory=113.0, mem_fraction_static=1.5),
+                dict(pre_model_load_memory=float("nan"), mem_fraction_static=0.85),
+                dict(pre_model_load_memory=True, mem_fraction_static=0.85),
+                dict(pre_model_load_memory=-1.0, mem_fraction_static=0.85)):
+        assert start_plan_bytes(SimpleNamespace(**bad), None) is None, bad
+
+
+def test_sglangs_start_is_exported_from_init_torch_distributed_until_initialize_returns():
+    runner = SimpleNamespace(pre_model_load_memory=100.0, mem_fraction_static=0.8)
+    tracker = EngineTracker()
+    tracker.engine_signal(runner, "ModelRunner.init_torch_distributed")
+    held = remaining(tracker)
+    assert held is not None and 0 < 80 * GIB - held < 8 * GIB   # its resident set counts (no CUDA here)
+    tracker.engine_signal(runner, "ModelRunner.initialize")
+    assert remaining(tracker) is None
+
+
+def test_memtel_run_watches_sglangs_start():
+    from telemetry.engines.sglang import START_BEGIN
+    from telemetry.run.boot import config_from_env as run_config
+
+    assert START_BEGIN_SIGNALS["sglang"] == (START_BEGIN,)
+    config = run_config({"MEMTEL_TARGETS": "sglang-sparse-indexer"})
+    assert config is not None and START_BEGIN in config.engine_memory
+
+
+@pytest.mark.network
+def test_sglangs_source_sets_the_plan_before_the_weights_load():
+    """Against sglang 0.5.23's own source (its wheel, tests/support/sglang_source.py): ModelRunner.__init__ keeps
+    mem_fraction_static and calls init_torch_distributed, which stores pre_model_load_memory, before initialize
+    (which loads the weights); the KV pool leaves pre_model_load_memory * (1 - mem_fraction_static) free."""
+    import ast
+
+    from tests.support import sglang_source
+
+    runner = next(node for node in ast.walk(sglang_source.tree("sglang.srt.model_executor.model_runner"))
+                  if isinstance(node, ast.ClassDef) and node.name == "ModelRunner")
+    methods = {node.name: node for node in runner.body if isinstance(node, ast.FunctionDef)}
+
+    def assigned(function: ast.FunctionDef) -> set[str]:
+        return {target.attr for node in ast.walk(function) if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Attribute)}
+
+    def calls(function: ast.FunctionDef) -> list[str]:
+        return [node.func.attr for node in ast.walk(function) if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "self"]
+
+    assert "mem_fraction_static" in assigned(methods["__init__"])
+    assert "pre_model_load_memory" in assigned(methods["init_torch_distributed"])
+    order = calls(methods["__init__"])
+    assert order.index("init_torch_distributed") < order.index("initialize")
+    configurator = sglang_source.source("sglang.srt.mem_cache.kv_cache_configurator")
+    assert "pre_model_load_memory * (1 - get_schedule().mem_fraction_static)" in configurator
