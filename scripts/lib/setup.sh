@@ -69,7 +69,7 @@ ensure_litellm_venv() {
 }
 
 # ensure_ray_venv: .venv-ray with memtel[ray] (Ray Serve and memtel's request router; docs/ray.md). Its own venv:
-# Ray brings its own pins (grpcio, protobuf, pydantic) and about 250 MB; the tests run the Ray app from it.
+# Ray brings its own pins (grpcio, protobuf, pydantic) and about 540 MB; the tests run the Ray app from it.
 ensure_ray_venv() {
     local venv="$ROOT/.venv-ray" want have=""
     want=$(stamp_of ray)

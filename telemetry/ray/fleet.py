@@ -19,6 +19,7 @@ fresh limit is chosen only where none has one, and then `when_blind` decides). N
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -52,6 +53,7 @@ from telemetry.errors import ConfigError
 from telemetry.ray.replica import hooks_of, upstream_of
 from telemetry.url import Endpoint, parse_url
 
+log = logging.getLogger("ray.serve")  # the router runs in a Serve process: its log is the replica's
 MAX_METRICS_BYTES = 4 << 20  # as the guard's: a hook's /metrics is tens of kB; a larger answer is not a hook's
 TOKENIZE_TIMEOUT_S = 30.0  # an engine tokenizes a long prompt in about a second per MB on a busy node
 
@@ -313,13 +315,14 @@ class Fleet:
 
 
 def _targets(hooks: Sequence[str]) -> list[Endpoint]:
-    """The hooks' endpoints; one that cannot be parsed is left out (its replica is then blind, said by the core)."""
+    """The hooks' endpoints; one that cannot be parsed is left out with a warning that says why (a replica left
+    without any is blind: the core's rules)."""
     found = []
     for hook in hooks:
         try:
             found.append(parse_url(hook, "routing stats memtel_hooks"))
-        except ConfigError:
-            continue
+        except ConfigError as exc:
+            log.warning("memtel: %s; that hook is not read", exc)
     return found
 
 

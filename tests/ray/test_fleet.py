@@ -161,3 +161,12 @@ def test_the_body_is_read_from_the_call_as_a_dict_or_a_request_model() -> None:
     assert request_body([], {}) is None and request_body(["text"], {}) is None
     assert request_body([{"input": "embed me"}], {}) is None  # not a prompt: Ray's default router
     assert prompt_size({"messages": [{"role": "user", "content": "hi"}]}).most_tokens > 2048  # the chat allowance
+
+
+def test_a_hook_url_that_cannot_be_read_is_said_and_its_replica_is_blind(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        fleet = fleet_of({"bad": {"memtel_hooks": ["http://user@:99999"]}},
+                         RouterSettings(stale_s=3.0, timeout_s=1.0, when_blind="reject"))
+    assert "routing stats memtel_hooks" in caplog.text and "that hook is not read" in caplog.text
+    refused = run(fleet, fleet.route(ids(10)))[0]
+    assert isinstance(refused, RefuseTransient) and refused.status == 503
