@@ -5,9 +5,9 @@
     memtel guard --replica URL=HOOK[,HOOK...] --replica ... | --replicas FILE.yaml  --listen HOST:PORT ...
 
 It reads the longest prefill that fits (memtel_forecast_max_prefill_tokens) from the ranks' hook
-exporters, sizes every /v1/completions and /v1/chat/completions prompt, forwards what fits (to the replica
-with the most room, given several), holds what does not fit now for up to --queue-s, and answers 503 with
-Retry-After for what still would not. docs/guard.md says how the limit is computed and how to deploy it.
+exporters, sizes every /v1/completions, /v1/chat/completions and /v1/responses prompt, forwards what fits (to
+the replica with the most room, given several), holds what does not fit now for up to --queue-s (30 s by
+default), and answers 503 with Retry-After for what still would not. docs/guard.md says how the limit is computed and how to deploy it.
 SIGTERM or Ctrl-C stops it.
 """
 
@@ -23,6 +23,7 @@ from telemetry.exporter import MetricsServer, format_listen, listen_failed, pars
 from telemetry.exporter.metrics import ExporterCollector
 from telemetry.guard.limit import LimitTracker, scrape_forever
 from telemetry.guard.metrics import GuardMetrics, guard_registry
+from telemetry.guard.bounds import DEFAULT_QUEUE_S
 from telemetry.guard.proxy import WHEN_BLIND, GuardLimits, GuardProxy
 from telemetry.guard.replicas import MAX_HOOKS, engines, hook_targets
 
@@ -48,9 +49,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "each prompt goes to the replica with the most room")
     parser.add_argument("--replicas", default=None, metavar="FILE.yaml",
                         help="the replicas in a YAML file: replicas: [{upstream: URL, hooks: [URL, ...]}, ...]")
-    parser.add_argument("--queue-s", type=bounded_float(0, MAX_QUEUE_S), default=0.0,
+    parser.add_argument("--queue-s", type=bounded_float(0, MAX_QUEUE_S), default=DEFAULT_QUEUE_S,
                         help="how long a prompt that does not fit now waits in the guard's queue for room before "
-                             "its 503 (default 0: 503 at once)")
+                             f"its 503 (default {DEFAULT_QUEUE_S:g}; 0: 503 at once)")
     parser.add_argument("--max-queued", type=bounded_int(1, MAX_QUEUED), default=GuardLimits.max_queued,
                         help=f"requests waiting at most; past it, 503 at once (default {GuardLimits.max_queued}; "
                              "each holds its body, up to 64 MiB)")

@@ -28,6 +28,17 @@ YAML_EXPECTED = "expected `replicas:`, a list of {upstream: URL, hooks: [URL, ..
 Spec = tuple[Endpoint, list[Endpoint]]  # (the engine's base URL, its ranks' hook exporters)
 
 
+def engine_url(text: str, where: str) -> Endpoint:
+    """An engine's base URL. The OpenAI SDKs' base URL of the same engine (`http://h:p/v1`) is taken too: the guard
+    adds the `/v1/...` paths itself."""
+    trimmed = text.strip().rstrip("/")
+    rest = trimmed.split("://", 1)[-1]
+    host, slash, last = rest.rpartition("/")
+    if slash and host and "/" not in host and last.lower() == "v1":
+        return parse_base_url(trimmed[:-len(last) - 1], where)
+    return parse_base_url(text, where)
+
+
 def hook_targets(text: str, flag: str = "--hooks") -> list[Endpoint]:
     """The hook URLs of one engine, comma-separated; at least one, none twice."""
     items = [item.strip() for item in text.split(",")]
@@ -49,7 +60,7 @@ def replica_flag(text: str) -> Spec:
     upstream, sep, hooks = text.partition("=")
     if not sep or not upstream.strip() or not hooks.strip():
         raise ConfigError(f"--replica: {text[:80]!r}: {REPLICA_EXPECTED}")
-    return parse_base_url(upstream, "--replica"), hook_targets(hooks, "--replica")
+    return engine_url(upstream, "--replica"), hook_targets(hooks, "--replica")
 
 
 def replicas_file(path: str | os.PathLike[str]) -> list[Spec]:
@@ -73,7 +84,7 @@ def replicas_file(path: str | os.PathLike[str]) -> list[Spec]:
         if not isinstance(hooks, list) or not hooks or not all(isinstance(h, str) for h in hooks) \
                 or len(hooks) > MAX_HOOKS:
             raise ConfigError(f"{at}: hooks must be a list of 1 to {MAX_HOOKS} hook URLs")
-        specs.append((parse_base_url(upstream, at), _distinct([parse_url(h, at) for h in hooks], at)))
+        specs.append((engine_url(upstream, at), _distinct([parse_url(h, at) for h in hooks], at)))
     return specs
 
 
@@ -95,7 +106,7 @@ def engines(upstream: str | None, hooks: str | None, replica: list[str] | None,
                               "(several): none given")
         if hooks is None:
             raise ConfigError("--hooks: required with --upstream (the engine's ranks' hook exporters)")
-        return [(parse_base_url(upstream, "--upstream"), hook_targets(hooks))]
+        return [(engine_url(upstream, "--upstream"), hook_targets(hooks))]
     specs = [replica_flag(text) for text in replica] if replica else replicas_file(replicas or "")
     if len(specs) > MAX_REPLICAS:
         raise ConfigError(f"--replica: {len(specs)} replicas; at most {MAX_REPLICAS}")
@@ -104,4 +115,4 @@ def engines(upstream: str | None, hooks: str | None, replica: list[str] | None,
     return specs
 
 
-__all__ = ["MAX_HOOKS", "MAX_REPLICAS", "Spec", "engines", "hook_targets", "replica_flag", "replicas_file"]
+__all__ = ["MAX_HOOKS", "MAX_REPLICAS", "Spec", "engine_url", "engines", "hook_targets", "replica_flag", "replicas_file"]

@@ -74,7 +74,23 @@ def parse_path(name: str, text: str) -> str:
 
 
 def parse_forecast_tokens(name: str, text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "off":
+        return ()   # the forecast off where a known engine would turn it on
     return check_tokens(text, name)
+
+
+# The live forecast's lengths where the engine is known (a target of a registered engine's preset, or the lab's
+# ranks) and MEMTEL_FORECAST_TOKENS is unset: the guard's gauge exists without a variable (docs/hook.md). The
+# lengths of docs/guard.md's lab node; their cycle's cost is in BENCHMARKS.md ("Live forecast").
+DEFAULT_FORECAST_TOKENS = (32768, 100000, 1048576)
+
+
+def _known_engine(targets: tuple[str, ...]) -> bool:
+    """Whether a target is one a registered engine's preset names (vLLM, SGLang, the lab)."""
+    from telemetry.hook.presets import PRESETS
+
+    known = {site.target for sites in PRESETS.values() for site in sites}
+    return any(target in known for target in targets)
 
 
 def parse_forecast_interval(name: str, text: str) -> float:
@@ -192,7 +208,11 @@ class HookConfig:
         if not targets.strip():
             raise ConfigError("MEMTEL_ENABLE is on but MEMTEL_TARGETS is empty: expected comma-separated "
                               '"package.module:function" targets or preset names')
-        return cls(**{**defaults, **_env_values(environ, fields(cls))})
+        values = _env_values(environ, fields(cls))
+        if "forecast_tokens" not in values and not environ.get("MEMTEL_FORECAST_TOKENS", "").strip() \
+                and "forecast_tokens" not in defaults and _known_engine(values.get("targets", ())):
+            values["forecast_tokens"] = DEFAULT_FORECAST_TOKENS   # a known engine: the forecast on by default
+        return cls(**{**defaults, **values})
 
     def options(self) -> dict[str, Any]:
         """Every setting but the targets (two installs in one process must agree on these)."""
@@ -226,10 +246,13 @@ def _env_values(environ: Mapping[str, str], settings: Iterable[Any]) -> dict[str
 
 def forecast_options(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     """The live forecast's settings in `environ` (MEMTEL_FORECAST_*) as `install()` options, for programs that
-    install the hook with options (the lab server's ranks); {} when off. Never raises: a bad value is one
+    install the hook with options (the lab server's ranks): DEFAULT_FORECAST_TOKENS unless MEMTEL_FORECAST_TOKENS
+    says otherwise; {} when off (MEMTEL_FORECAST_TOKENS=off). Never raises: a bad value is one
     log line and the forecast off."""
     settings = [f for f in fields(HookConfig) if f.metadata.get("turns_off") == FORECAST]
     values = _env_values(environ, settings)
+    if "forecast_tokens" not in values and not environ.get("MEMTEL_FORECAST_TOKENS", "").strip():
+        values["forecast_tokens"] = DEFAULT_FORECAST_TOKENS   # the lab is a known engine: on by default
     return values if values.get("forecast_tokens") else {}
 
 
@@ -249,4 +272,5 @@ def _target_names(value: object, *, presets_allowed: bool, empty_ok: bool = Fals
     return tuple(dict.fromkeys(parse_target(item).name for item in items if item != ""))
 
 
-__all__ = ["DEFAULT_PORT", "ENV_VARIABLES", "HookConfig", "env", "forecast_options", "parse_flag", "parse_port"]
+__all__ = ["DEFAULT_FORECAST_TOKENS", "DEFAULT_PORT", "ENV_VARIABLES", "HookConfig", "env", "forecast_options",
+           "parse_flag", "parse_port"]

@@ -292,6 +292,13 @@ class RunningGuard:
         self.loop.close()
 
 
+def make_proxy(replicas: int = 1, **options: Any) -> GuardProxy:
+    """A guard's proxy in this process, not started, in front of `replicas` engines that nobody answers."""
+    engines = [(parse_base_url(f"http://127.0.0.1:{10 + i}"), LimitTracker([parse_url(f"http://127.0.0.1:{20 + i}")],
+                                                                           stale_s=5)) for i in range(replicas)]
+    return GuardProxy(*engines[0], GuardMetrics(), replicas=engines, **options)
+
+
 def request(url: str, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
             headers: dict[str, str] | None = None, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
     """One request on a fresh connection: (status, headers with lower-case names, body)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import logging
@@ -11,8 +12,8 @@ import time
 
 import pytest
 
-from telemetry.guard.proxy import GuardLimits
-from tests.guard.servers import RunningGuard, StubHook, exposition, request
+from telemetry.guard.proxy import GuardLimits, _body_error
+from tests.guard.servers import RunningGuard, StubHook, exposition, make_proxy, request
 
 LIMIT = 1000
 
@@ -331,3 +332,58 @@ def test_a_body_over_the_inline_size_is_parsed_off_the_loop_with_the_same_answer
     assert status == 503 and json.loads(data)["error"]["prompt_tokens"] == 5000
     assert request(guard.url, "POST", "/v1/completions", raw=b'{"prompt": "' + b"a" * 2000)[0] == 400
     assert request(guard.url, "POST", "/v1/completions", {"prompt": "word " * 300})[0] == 200  # via /tokenize
+
+
+def test_a_body_over_the_inline_size_is_parsed_in_a_worker_thread_and_a_smaller_one_on_the_loop(guard, monkeypatch):
+    import telemetry.guard.proxy as proxy
+
+    where: list[str] = []
+    sized = proxy.measure
+
+    def measure(path, body):
+        try:
+            asyncio.get_running_loop()
+            where.append("loop")
+        except RuntimeError:   # no event loop runs in this thread: a worker's
+            where.append("thread")
+        return sized(path, body)
+
+    monkeypatch.setattr(proxy, "INLINE_PARSE_BYTES", 1000)
+    monkeypatch.setattr(proxy, "measure", measure)
+    assert request(guard.url, "POST", "/v1/completions", {"prompt": "w " * 5000})[0] == 503
+    assert request(guard.url, "POST", "/v1/completions", {"prompt": "w " * 10})[0] == 200
+    assert where == ["thread", "loop"]
+
+
+def test_a_responses_prompt_is_sized_and_guarded_like_chat(guard, upstream):
+    # Within the limit: forwarded unchanged to /v1/responses (the template's allowance is counted by /tokenize).
+    fits = {"model": "stub", "input": "word " * 50, "instructions": "be brief"}
+    status, _, _ = request(guard.url, "POST", "/v1/responses", fits)
+    assert status == 200 and upstream.paths()[-1] == "/v1/responses"
+    assert guard.sample("memtel_guard_admitted_total", {"path": "/v1/responses", "counted_by": "tokenize"}) >= 1
+    upstream.seen.clear()
+    # More words than the limit in its input items: refused by the guard, never forwarded.
+    over = {"model": "stub", "input": [{"role": "user", "content": [{"type": "input_text", "text": "w " * 5000}]}]}
+    status, headers, data = request(guard.url, "POST", "/v1/responses", over)
+    error = json.loads(data)["error"]
+    assert status == 503 and headers["x-should-retry"] == "true"
+    assert (error["prompt_tokens"], error["prompt_tokens_counted_by"]) == (5000, "words")
+    assert "/v1/responses" not in upstream.paths()
+    # A stored conversation the guard cannot count: a 400 naming the field, never forwarded.
+    status, _, data = request(guard.url, "POST", "/v1/responses", {"model": "stub", "input": "hi",
+                                                                  "previous_response_id": "resp_1"})
+    assert status == 400 and "previous_response_id" in json.loads(data)["error"]["message"]
+    assert "/v1/responses" not in upstream.paths()
+
+
+def test_a_body_error_quotes_the_parsers_first_160_characters():
+    assert _body_error(ValueError("x" * 300 + "\nmore")) == \
+        f"malformed JSON in the request body: {'x' * 160}; expected a JSON object"
+
+
+def test_why_blind_names_each_replica_only_when_there_are_several():
+    one = make_proxy()
+    assert one._why_blind() == "http://127.0.0.1:20/metrics: no answer yet"
+    two = make_proxy(2)
+    assert two._why_blind() == ("http://127.0.0.1:10: http://127.0.0.1:20/metrics: no answer yet; "
+                                "http://127.0.0.1:11: http://127.0.0.1:21/metrics: no answer yet")

@@ -8,9 +8,11 @@ import time
 
 import pytest
 
-from telemetry.guard.prompt import (
+from telemetry.admission.prompt import (
+    CHAT_COMPLETIONS,
     CHAT_MESSAGE_TOKENS,
     CHAT_TEMPLATE_TOKENS,
+    COMPLETIONS,
     SPECIAL_TOKENS_PER_PROMPT,
     PromptError,
     measure,
@@ -177,7 +179,19 @@ def test_bodies_the_guard_cannot_size(path, body, words):
 @pytest.mark.parametrize("text", ["", " ", "a", " a", "a ", "a  b\tc\n\nd\r\x0be\x0cf", "héllo  wörld", "\u3000x y",
                                   "a\x1cb", "\xa0a\xa0b"])
 def test_count_words_is_bytes_split(text):
-    from telemetry.guard.prompt import count_words
+    from telemetry.admission.prompt import count_words
 
     data = text.encode("utf-8")
     assert count_words(data) == len(data.split())
+
+
+def test_a_chat_prompt_is_sized_as_messages_by_its_text_parts():
+    size = measure(CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": [{"text": "hello there"}]}]})
+    assert size.param == "messages" and size.exact is False
+    assert size.texts == (b"hello there",) and size.engine_only is None   # a part with `text` and no `type`
+
+
+def test_prompt_embeds_that_are_not_base64_strings_are_refused():
+    with pytest.raises(PromptError) as error:
+        measure(COMPLETIONS, {"prompt_embeds": []})
+    assert str(error.value) == "`prompt_embeds` must be a base64 string or a non-empty list of them"
