@@ -26,6 +26,8 @@ from pathlib import Path
 
 import psutil
 
+from telemetry import hook_env
+
 ROOT = Path(__file__).resolve().parents[1]
 FOOTPRINT = "harness_footprint.csv"
 
@@ -161,7 +163,7 @@ def long_context(out: Path, time_scale: float, scale: float, ranks: int) -> int:
                             "--model-name", "lab", "--allocator", "sim", "--ranks", str(ranks), "--max-model-len",
                             "1048576", "--scale", repr(scale), "--time-scale", repr(time_scale), "--memtel-port",
                             str(hook)],
-                "env": {"MEMTEL_LOG_DIR": "{run_dir}/hook-logs/{arm}-r{repeat}"},
+                "env": {hook_env.LOG_DIR: "{run_dir}/hook-logs/{arm}-r{repeat}"},
                 "health_url": f"http://127.0.0.1:{port}/health", "startup_timeout_s": 120, "stop_grace_s": 15},
                 "ranks": {f"rank{r}": f"http://127.0.0.1:{hook + r}/metrics" for r in range(ranks)}})
         ladder = {"model": "lab", "request": {**profile["request"], "check_answer": False}, "arms": arms,

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from telemetry import hook_env
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import cpu_model
 
@@ -269,9 +271,9 @@ def hooked_child(kind: str, variant: str, segments: int, tokens: list[int], seco
                  interval: float) -> dict:
     forecast_on = variant != "off"
     if variant == "on_python":
-        os.environ["MEMTEL_FORECAST_SNAPSHOT"] = "python"
+        os.environ[hook_env.FORECAST_SNAPSHOT] = "python"
     if variant == "on_full":
-        os.environ["MEMTEL_FORECAST_SHADOW"] = "off"
+        os.environ[hook_env.FORECAST_SHADOW] = "off"
     import telemetry
     from telemetry.fit_budget import set_forecast_budget
     from telemetry.hook import set_allocator_source

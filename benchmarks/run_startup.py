@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from telemetry import hook_env
+
 BOOTSTRAP = str(Path(__file__).resolve().parents[1] / "telemetry" / "run" / "bootstrap")
 
 
@@ -33,8 +35,8 @@ def main() -> int:
     base = {k: v for k, v in os.environ.items() if not k.startswith("MEMTEL_") and k != "PYTHONPATH"}
     cases = {
         "plain python -c pass": base,
-        "bootstrap, hook installed": {**base, "PYTHONPATH": BOOTSTRAP, "MEMTEL_TARGETS": "json:dumps",
-                                      "MEMTEL_PORT": "off"},
+        "bootstrap, hook installed": {**base, "PYTHONPATH": BOOTSTRAP, hook_env.TARGETS: "json:dumps",
+                                      hook_env.PORT: "off"},
         "bootstrap, hook off": {**base, "PYTHONPATH": BOOTSTRAP},
     }
     for env in cases.values():   # warm the page cache

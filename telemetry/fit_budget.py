@@ -36,9 +36,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from telemetry import hook_env
 from telemetry.errors import ConfigError
 
-RESERVE_VARIABLE = "MEMTEL_GUARD_RESERVE_MB"
+RESERVE_VARIABLE = hook_env.GUARD_RESERVE_MB
 DEFAULT_RESERVE_MIB = 2048
 MAX_RESERVE_MIB = 1 << 30
 RANKS_VARIABLE = "LOCAL_WORLD_SIZE"

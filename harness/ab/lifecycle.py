@@ -24,6 +24,7 @@ from harness.ab.redact import Redactor, redact_argv, redact_env
 from harness.ab.rundir import inside_run_dir
 from harness.ab.serve import ServedProcess
 from harness.ab.status import Status
+from telemetry import hook_env
 from telemetry.engines.registry import HEALTH_PATH, MODELS_PATH
 
 
@@ -75,10 +76,10 @@ class ArmServer:
         fields = {"run_dir": str(self.out_dir.resolve()), "arm": arm.name, "repeat": str(repeat)}
         env = {k: expand(v, fields) for k, v in spec.env.items()}
         extra_env = {}
-        targets = env.get("MEMTEL_TARGETS") or (os.environ.get("MEMTEL_TARGETS") if spec.inherit_env else None)
-        if targets and "MEMTEL_LOG_DIR" not in env:
-            extra_env["MEMTEL_LOG_DIR"] = str(self.out_dir.resolve() / "hook-logs" / f"{arm.name}-r{repeat}")
-        hook_log_dir = env.get("MEMTEL_LOG_DIR") or extra_env.get("MEMTEL_LOG_DIR")
+        targets = env.get(hook_env.TARGETS) or (os.environ.get(hook_env.TARGETS) if spec.inherit_env else None)
+        if targets and hook_env.LOG_DIR not in env:
+            extra_env[hook_env.LOG_DIR] = str(self.out_dir.resolve() / "hook-logs" / f"{arm.name}-r{repeat}")
+        hook_log_dir = env.get(hook_env.LOG_DIR) or extra_env.get(hook_env.LOG_DIR)
         if hook_log_dir:
             Path(hook_log_dir).mkdir(parents=True, exist_ok=True)
         spec = dataclasses.replace(spec, env=env)

@@ -25,7 +25,7 @@ from harness.ab.config import DEFAULT_STEPS, Step
 from harness.demo.setup import DemoSetup
 from harness.ports import free_port_block
 from harness.processes import die_with_parent, wait_healthy
-from telemetry import limits
+from telemetry import hook_env, limits
 from telemetry.argtypes import bounded_float, bounded_int, fraction, shown
 from telemetry.errors import ConfigError, RunError
 from telemetry.model.indexer.backends import ALLOCATORS, cuda_available, default_allocator
@@ -151,7 +151,7 @@ def build_ladder(setup: DemoSetup, steps: list[Step], daemon_url: str, ports: di
             "name": mode,
             "serve": {
                 "command": command,
-                "env": {"MEMTEL_LOG_DIR": "{run_dir}/hook-logs/{arm}-r{repeat}"},
+                "env": {hook_env.LOG_DIR: "{run_dir}/hook-logs/{arm}-r{repeat}"},
                 "health_url": f"http://127.0.0.1:{port}/health",
                 "startup_timeout_s": 120,
                 "stop_grace_s": 15,

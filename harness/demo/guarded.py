@@ -38,6 +38,7 @@ from typing import Any
 from harness.demo.guard_report import GIB, Burst, Outcome, Phase, seconds_text, shown_as_expected, verdict, write_report
 from harness.ports import free_port_block
 from harness.processes import die_with_parent, wait_healthy
+from telemetry import hook_env
 from telemetry.catalogue import vllm
 from telemetry.catalogue.metrics import (
     FORECAST_MAX_PREFILL_TOKENS,
@@ -57,7 +58,7 @@ DEFAULT_CAPACITY_GB = 1.5
 # touched (the capacity is the emulated memory), so the demo takes seconds.
 NODE_ARGS = ("--arm", "stock", "--ranks", "1", "--allocator", "sim", "--layers", "4", "--chunk", "8192",
              "--max-model-len", "1100000", "--budget-mb", "100000", "--scale", "0.25", "--no-unified-memory")
-FORECAST_ENV = {"MEMTEL_FORECAST_TOKENS": "32768,100000,1048576", "MEMTEL_FORECAST_INTERVAL_S": "1"}
+FORECAST_ENV = {hook_env.FORECAST_TOKENS: "32768,100000,1048576", hook_env.FORECAST_INTERVAL_S: "1"}
 PROMPTS = (("32k", 32_768), ("100k", 100_000), ("1M", 1_048_576), ("next 32k", 32_768))
 MAX_TOKENS = 4
 # The burst while another tenant holds memory (phases 3 and 4).

@@ -22,7 +22,7 @@ import threading
 
 from harness.labserver.engine import LabConfig
 from harness.labserver.tenant import TENANT_FORMAT, parse_tenant
-from telemetry import limits
+from telemetry import hook_env, limits
 from telemetry.argtypes import add_log_level, bounded_float, bounded_int, fraction, port
 from telemetry.errors import INTERRUPTED, ConfigError, RunError
 from telemetry.exporter import listen_failed, parse_listen
@@ -80,10 +80,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-hook", action="store_true", help="do not install memtel's hook in the ranks")
     serve.add_argument("--hook-listen", default=None, metavar="HOST:PORT",
                        help=f"where the ranks' hook exporters listen: on HOST, rank r on PORT + r (default: "
-                            f"--listen's host, port $MEMTEL_PORT or {HOOK_PORT})")
+                            f"--listen's host, port ${hook_env.PORT} or {HOOK_PORT})")
     serve.add_argument("--memtel-port", type=port, default=None, metavar="PORT", help=argparse.SUPPRESS)  # before
     serve.add_argument("--memtel-log-dir", default=None,
-                       help="directory for the hook's per-call JSONL logs (default: $MEMTEL_LOG_DIR, else none)")
+                       help=f"directory for the hook's per-call JSONL logs (default: ${hook_env.LOG_DIR}, else none)")
     serve.add_argument("--model-name", default=None, help="model name served (default lab-<mode>)")
     serve.add_argument("--listen", default=None, metavar="HOST:PORT",
                        help=f"the address to serve on (default {DEFAULT_LISTEN}, loopback)")
@@ -123,10 +123,10 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
             raise ConfigError("--hook-listen: port 0 picks no port here; expected PORT in 1..65535 (rank r listens "
                               "on PORT + r)")
     if memtel_port is None:
-        env_port = os.environ.get("MEMTEL_PORT", "").strip()
+        env_port = os.environ.get(hook_env.PORT, "").strip()
         valid = env_port.isascii() and env_port.isdigit() and len(env_port) <= 5 and 1 <= int(env_port) <= 65535
         if env_port and not valid:
-            raise ConfigError(f"MEMTEL_PORT={env_port[:20]!r}: expected a port number in 1..65535 (ASCII digits)")
+            raise ConfigError(f"{hook_env.PORT}={env_port[:20]!r}: expected a port number in 1..65535 (ASCII digits)")
         memtel_port = int(env_port) if env_port else HOOK_PORT
     if not args.no_hook and memtel_port + args.ranks - 1 > 65535:
         raise ConfigError(f"the hook exporters listen on {memtel_port} + rank: {memtel_port} + {args.ranks - 1} "
@@ -136,7 +136,7 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
         time_scale=args.time_scale,
         alloc_conf=args.alloc_conf if args.alloc_conf is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         unified_memory=not args.no_unified_memory, memtel_port=memtel_port,
-        memtel_log_dir=args.memtel_log_dir or os.environ.get("MEMTEL_LOG_DIR") or None, hook=not args.no_hook,
+        memtel_log_dir=args.memtel_log_dir or os.environ.get(hook_env.LOG_DIR) or None, hook=not args.no_hook,
         memtel_addr=memtel_addr,
         capacity_bytes=None if args.capacity_gb is None else int(args.capacity_gb * (1 << 30)), tenant=args.tenant,
     )

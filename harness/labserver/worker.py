@@ -33,6 +33,7 @@ from typing import Any, cast
 from harness.labserver.cost_model import CostModel
 from harness.labserver.node_memory import LabOutOfMemoryError, NodeLimitedBackend, NodeMemory
 from harness.processes import die_with_parent
+from telemetry import hook_env
 from telemetry.model.indexer.backends import CudaBackend, LaunchBackend, SimBackend
 from telemetry.model.indexer.planner import ChunkStep, Launch, Mode
 from telemetry.model.indexer.prefill import LaunchPattern, PrefillObserver, run_prefill
@@ -86,10 +87,10 @@ def _set_hook_environment(config: RankConfig) -> None:
     os.environ["WORLD_SIZE"] = str(config.world_size)
     os.environ["LOCAL_WORLD_SIZE"] = str(config.world_size)   # every rank on this one node shares its memory
     if config.memtel_port is not None:
-        os.environ["MEMTEL_PORT"] = str(config.memtel_port)
+        os.environ[hook_env.PORT] = str(config.memtel_port)
     if config.memtel_log_dir:
         os.makedirs(config.memtel_log_dir, exist_ok=True)
-        os.environ["MEMTEL_LOG_DIR"] = config.memtel_log_dir
+        os.environ[hook_env.LOG_DIR] = config.memtel_log_dir
 
 
 def make_backend(config: RankConfig, node: NodeMemory | None = None) -> tuple[LaunchBackend, Any]:

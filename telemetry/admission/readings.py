@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from telemetry import hook_env
 from telemetry.admission.at_best import AT_BEST_WINDOW_S, AtBestBook
 from telemetry.catalogue import metrics as catalogue
 from telemetry.scrape import parse
@@ -40,7 +41,7 @@ _WANTED = (catalogue.FORECAST_MAX_PREFILL_TOKENS, catalogue.FORECAST_FIT_BUDGET,
 FUTURE_SLACK_S = 2.0
 # What a hook that answers without the gauge lacks: its engine runs without the forecast (docs/guard.md).
 NO_GAUGE_HINT = ("its engine runs without the forecast: start it with the memtel hook on a known engine (vLLM, "
-                 "SGLang, the lab) or set MEMTEL_FORECAST_TOKENS")
+                 f"SGLang, the lab) or set {hook_env.FORECAST_TOKENS}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ series that no entry (or recording rule) produces. How to add one: docs/architec
 
 from __future__ import annotations
 
+from telemetry import hook_env
 from telemetry.catalogue.family import CounterFamily, Family, GaugeFamily, counter, gauge, histogram
 
 # -- the hook (telemetry/hook/collector.py): labels site, rank, node -----------------------------------------
@@ -116,7 +117,7 @@ FORECAST_DEVICE_ALLOC = gauge(
 FORECAST_WORKLOAD_INFO = gauge(
     "memtel_forecast_workload_info",
     "1 for the indexer workload the live forecast simulates; `source`: vllm (read from vLLM's config), program "
-    "(set_forecast_workload), config (MEMTEL_FORECAST_SHAPE) or reference (the reference workload).",
+    f"(set_forecast_workload), config ({hook_env.FORECAST_SHAPE}) or reference (the reference workload).",
     ("source", "mode", "layers", "chunk", "compress_ratio", "max_model_len", "logits_budget_bytes", "padded_width",
      "topk", "rank", "node"), source="forecast")
 FORECAST_MAX_PREFILL_TOKENS = gauge(
@@ -135,8 +136,8 @@ FORECAST_MAX_PREFILL_TOKENS_AT_BEST = gauge(
 FORECAST_FIT_BUDGET = gauge(
     "memtel_forecast_fit_budget_bytes",
     "Memory this rank may still take beyond its live bytes: on unified memory its share of the node's headroom, "
-    "on a discrete GPU the device's free memory less the driver's slack, either less MEMTEL_GUARD_RESERVE_MB, plus "
-    "what its allocator holds free.",
+    "on a discrete GPU the device's free memory less the driver's slack, either less "
+    f"{hook_env.GUARD_RESERVE_MB}, plus what its allocator holds free.",
     ("rank", "node"), source="forecast")
 FORECAST_LAST_DURATION = gauge(
     "memtel_forecast_last_duration_seconds",
@@ -485,7 +486,7 @@ GUARD_BLIND = gauge(
 GUARD_HOOKS_WITHOUT_GAUGE = gauge(
     "memtel_guard_hooks_without_gauge",
     "Hook exporters that answer without any forecast (their engine runs without it: the guard is blind for their "
-    "ranks); start the engine with the hook on a known engine or set MEMTEL_FORECAST_TOKENS.", source="guard")
+    f"ranks); start the engine with the hook on a known engine or set {hook_env.FORECAST_TOKENS}.", source="guard")
 GUARD_BLIND_SECONDS = counter("memtel_guard_blind_seconds", "Seconds the guard has been blind since it started.",
                               source="guard")
 GUARD_BLIND_EPISODES = counter("memtel_guard_blind_episodes", "Times the guard became blind.", source="guard")

@@ -40,6 +40,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from telemetry import hook_env
 from telemetry.allocator_counters import AllocatorCounters
 from telemetry.catalogue import metrics as catalogue
 from telemetry.hook.call_log import log_file_name, segment_file_name  # file names, beside the log's reader
@@ -108,7 +109,7 @@ class CallLogWriter:
         pid = os.getpid()
         path = os.path.join(self.directory, log_file_name(rank, pid))
         try:
-            ensure_private_dir(self.directory, what="call log directory (MEMTEL_LOG_DIR)")
+            ensure_private_dir(self.directory, what=f"call log directory ({hook_env.LOG_DIR})")
             fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         except UnsafePathError as error:
             return self._refuse(str(error))

@@ -17,12 +17,13 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from telemetry import hook_env
 from telemetry.engines import ENGINES
 
 # Engines whose world group (`parallel_state._WORLD`, a GroupCoordinator with `rank` and `local_rank`) names
 # the rank: the label of the rank's source, and the module (each engine's `world`, telemetry/engines/).
 ENGINE_WORLDS = tuple((engine.name, engine.world) for engine in ENGINES if engine.world is not None)
-RUN_DIR_ENV = "MEMTEL_RUN_DIR"   # set by memtel run (telemetry/hook/run_order.py)
+RUN_DIR_ENV = hook_env.RUN_DIR   # set by memtel run (telemetry/hook/run_order.py)
 
 
 @dataclass(frozen=True)

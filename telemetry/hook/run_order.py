@@ -28,10 +28,11 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from telemetry import hook_env
 from telemetry.errors import ConfigError
 from telemetry.safefs import create_private, ensure_private_dir, open_private, write_all
 
-RUN_DIR_ENV = "MEMTEL_RUN_DIR"
+RUN_DIR_ENV = hook_env.RUN_DIR
 ORDER_FILE = "order"
 FIRST_FILE = "first"
 _RUN_NAME = re.compile(r"^run-(\d+)-[0-9a-f]{8}$")

@@ -26,6 +26,7 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
+from telemetry import hook_env
 from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import ConfigError
 from telemetry.hook import allocator, passthrough, presets
@@ -72,7 +73,8 @@ def exporter_where(scheme: str, addr: str, port: int) -> str:
 
     where = f"{scheme}://{format_listen(addr, port)}/metrics"
     if addr in ("0.0.0.0", "::", ""):
-        where += " (every interface: MEMTEL_ADDR=127.0.0.1, or `memtel run --addr 127.0.0.1`, keeps it on this machine)"
+        where += (f" (every interface: {hook_env.ADDR}=127.0.0.1, or `memtel run --addr 127.0.0.1`, keeps it on "
+                  "this machine)")
     return where
 
 
@@ -341,7 +343,7 @@ class HookSession:
                 raise ConfigError(f"port {config.port} + local rank {rank.local_rank} = {port} is not a valid port")
             self.exporter = start_exporter(self.registry, config.addr, port, config.web_config)
         except Exception as error:  # a taken port or a bad web config must not stop the log or the host
-            log.warning("memtel: hook exporter not started on %s port %d (MEMTEL_PORT %d + local rank %d): %s",
+            log.warning(f"memtel: hook exporter not started on %s port %d ({hook_env.PORT} %d + local rank %d): %s",
                         config.addr, port, config.port, rank.local_rank, error)
             self.state.count_error("", "exporter")
 
@@ -351,14 +353,15 @@ class HookSession:
         if self.exporter is not None:
             exporter = exporter_where(self.exporter.url.partition("://")[0], self.config.addr, self.exporter.port)
         else:
-            exporter = ("off (no port: MEMTEL_PORT=off)" if self.config.port is None
+            exporter = (f"off (no port: {hook_env.PORT}=off)" if self.config.port is None
                         else "not started (see the line above)")
         if self.recorder.log is not None and self.recorder.log.path is not None:
             call_log = self.recorder.log.path
         else:
-            call_log = ("off (no log directory: MEMTEL_LOG_DIR unset)" if self.log is None
+            call_log = (f"off (no log directory: {hook_env.LOG_DIR} unset)" if self.log is None
                         else "off (see the line above)")
-        forecast = "off (no lengths: MEMTEL_FORECAST_TOKENS)" if self.forecaster is None else self.forecaster.describe()
+        forecast = (f"off (no lengths: {hook_env.FORECAST_TOKENS})" if self.forecaster is None
+                    else self.forecaster.describe())
         log.info("memtel hook on in pid %d: rank %d (local rank %d, from %s); hooked: %s; unresolved: %s; "
                  "exporter: %s; call log: %s; forecast: %s", os.getpid(), rank.rank, rank.local_rank, rank.source,
                  ", ".join(hooked) or "none", ", ".join(sorted(unresolved)) or "none", exporter, call_log, forecast)

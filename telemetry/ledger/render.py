@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from telemetry.errors import printable
 from telemetry.ledger.scrape import NOT_A_DAEMON, HookView, LedgerReport, NodeView
+from telemetry.scrape.ports import HOOK_PORT_RANGE
 
 NAME_CHARS = 64    # a node's name from a label, in a title
 CELL_CHARS = 12    # a rank or pid from a label, in a column
@@ -87,7 +88,8 @@ def render(report: LedgerReport, sort: str = "rank") -> list[str]:
             lines.append(PROCESS_HEADER)
             lines.extend(process_row(h) for h in sorted(node.hooks, key=SORTS[sort]))
         elif node.error is None:
-            lines.append("  no hook answered" + (" on ports 9200-9207" if report.unreachable_default_hooks else ""))
+            lines.append("  no hook answered"
+                         + (f" on ports {HOOK_PORT_RANGE}" if report.unreachable_default_hooks else ""))
     if any(h.process is not None and h.process.outside_basis == "device_used"
            for n in report.nodes for h in n.hooks):
         lines.append("* outside from the device's used bytes (all its processes): NVML lists no such pid")

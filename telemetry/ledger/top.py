@@ -23,7 +23,7 @@ from telemetry.ledger.cli import SECONDS, could_not_read, url_list
 from telemetry.ledger.render import PROCESS_HEADER, SORTS, node_block, process_row, size
 from telemetry.ledger.scrape import DEFAULT_DAEMON, LedgerReport, NodeView, Scrape, scrape_all, take_report
 from telemetry.ledger.stall import EngineState, StallWatch, engine_numbers
-from telemetry.scrape.ports import LAB_PORT
+from telemetry.scrape.ports import HOOK_PORT_RANGE, LAB_PORT
 from telemetry.url import METRICS_PATH, Endpoint, parse_url
 
 TREND_WINDOW_S = 10.0
@@ -147,7 +147,8 @@ def frame(report: LedgerReport, history: History, deltas: dict[str, tuple[int | 
                                  + (f"  growth events {hook.growth_events}" if hook.growth_events is not None else "")
                                  + (f" (+{grew})" if grew else ""))
         elif node.error is None:
-            lines.append("  no hook answered" + (" on ports 9200-9207" if report.unreachable_default_hooks else ""))
+            lines.append("  no hook answered"
+                         + (f" on ports {HOOK_PORT_RANGE}" if report.unreachable_default_hooks else ""))
     for key, engine in history.engines.items():
         if not any(node.name == key for node in report.nodes):
             lines.append(f"engine on {key}: {engine.text()}")
@@ -167,7 +168,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--daemon", type=url_list, default=[DEFAULT_DAEMON], metavar="URL[,URL...]",
                         help=f"the nodes' memtel daemons (default {DEFAULT_DAEMON})")
     parser.add_argument("--hooks", type=url_list, default=None, metavar="URL[,URL...]",
-                        help="the ranks' hook exporters (default: ports 9200-9207 on each daemon's host)")
+                        help=f"the ranks' hook exporters (default: ports {HOOK_PORT_RANGE} on each daemon's host)")
     parser.add_argument("--engines", type=url_list, default=None, metavar="URL[,URL...]",
                         help="the serving engines' /metrics (vLLM's API port), read for requests running and their "
                         f"progress (default: port {DEFAULT_ENGINE_PORT} on each daemon's host, where it answers)")

@@ -29,6 +29,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from telemetry import hook_env
 from telemetry.errors import ConfigError
 
 if TYPE_CHECKING:  # the hook is imported only where it is on (like the plugin)
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # the hook is imported only where it is on (like the plugin)
 
 log = logging.getLogger("memtel.run")
 
-UNRESOLVED_AFTER_ENV = "MEMTEL_RUN_UNRESOLVED_AFTER_S"
+UNRESOLVED_AFTER_ENV = hook_env.RUN_UNRESOLVED_AFTER_S
 DEFAULT_UNRESOLVED_AFTER_S = 60.0
 LOG_FORMAT = "%(asctime)s memtel[%(process)d] %(levelname)s %(message)s"
 
@@ -90,7 +91,7 @@ def boot(environ: Mapping[str, str] = os.environ) -> None:
         _clean_up_at_exit(environ)
     except Exception:
         pass
-    if not environ.get("MEMTEL_TARGETS", "").strip() and not environ.get("MEMTEL_ENABLE", "").strip():
+    if not environ.get(hook_env.TARGETS, "").strip() and not environ.get(hook_env.ENABLE, "").strip():
         return   # off, as HookConfig.from_env would say, without importing the hook
     try:
         show_log()

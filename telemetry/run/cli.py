@@ -19,7 +19,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from telemetry import hook_env
 from telemetry.errors import ConfigError, RunError
+from telemetry.scrape.ports import HOOK_PORT
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
 USAGE = ("memtel run [--targets SPEC] [--listen HOST:PORT] [--log-dir D] [--unresolved-after S] [--] "
@@ -38,15 +40,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.usage = USAGE
     parser.add_argument("--targets", metavar="SPEC",
                         help='comma-separated "package.module:function", "package.module:Class.method" or presets '
-                             "(vllm-sparse-indexer, sglang-sparse-indexer, ...); default: MEMTEL_TARGETS")
+                             f"(vllm-sparse-indexer, sglang-sparse-indexer, ...); default: {hook_env.TARGETS}")
     parser.add_argument("--listen", metavar="HOST:PORT",
                         help='where the exporters listen: on HOST, each process on PORT + its rank; "off": no '
-                             "exporter; default: MEMTEL_ADDR:MEMTEL_PORT, else 0.0.0.0:9200 (every interface; "
-                             "127.0.0.1:9200 keeps them on this machine)")
+                             f"exporter; default: {hook_env.ADDR}:{hook_env.PORT}, else 0.0.0.0:{HOOK_PORT} (every "
+                             f"interface; 127.0.0.1:{HOOK_PORT} keeps them on this machine)")
     # The spellings before --listen (MEMTEL_PORT's and MEMTEL_ADDR's values), kept working; not shown.
     parser.add_argument("--port", metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--addr", metavar="HOST", help=argparse.SUPPRESS)
-    parser.add_argument("--log-dir", metavar="D", help="directory of the per-call JSONL logs; default: MEMTEL_LOG_DIR")
+    parser.add_argument("--log-dir", metavar="D",
+                        help=f"directory of the per-call JSONL logs; default: {hook_env.LOG_DIR}")
     parser.add_argument("--unresolved-after", metavar="S",
                         help='warn after S seconds when no process of the run has hooked anything (default 60; "off")')
     # dest "program": the top-level parser's "command" is the subcommand's name.
@@ -67,21 +70,21 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], pid: int) -> t
     env = dict(environ)
     if args.targets is not None:
         parse_target_list("--targets", args.targets)
-        env["MEMTEL_TARGETS"] = args.targets
-    if not env.get("MEMTEL_TARGETS", "").strip():
-        raise ConfigError('no hook targets: give --targets SPEC or set MEMTEL_TARGETS ("package.module:function", '
+        env[hook_env.TARGETS] = args.targets
+    if not env.get(hook_env.TARGETS, "").strip():
+        raise ConfigError(f'no hook targets: give --targets SPEC or set {hook_env.TARGETS} ("package.module:function", '
                           '"package.module:Class.method" or preset names, comma-separated)')
     port_text, addr = exporter_listen(args)
     if port_text is not None:
         parse_port("--port" if args.listen is None else "--listen", port_text)
-        env["MEMTEL_PORT"] = port_text
+        env[hook_env.PORT] = port_text
     if addr is not None:
         check_listen_addr("--addr" if args.listen is None else "--listen", addr)
-        env["MEMTEL_ADDR"] = addr
+        env[hook_env.ADDR] = addr
     if args.log_dir is not None:
         if not args.log_dir:
             raise ConfigError("--log-dir is empty: expected a directory path")
-        env["MEMTEL_LOG_DIR"] = args.log_dir
+        env[hook_env.LOG_DIR] = args.log_dir
     if args.unresolved_after is not None:
         boot.parse_delay("--unresolved-after", args.unresolved_after)
         env[boot.UNRESOLVED_AFTER_ENV] = args.unresolved_after
@@ -89,8 +92,8 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], pid: int) -> t
         boot.parse_delay(boot.UNRESOLVED_AFTER_ENV, env[boot.UNRESOLVED_AFTER_ENV])
     config = boot.config_from_env(env)   # every MEMTEL_* variable, as each process will read it
     if config is None:
-        raise ConfigError(f"MEMTEL_ENABLE={env.get('MEMTEL_ENABLE', '')!r} turns the hook off: memtel run has "
-                          "nothing to do (unset MEMTEL_ENABLE, or run the command without memtel run)")
+        raise ConfigError(f"{hook_env.ENABLE}={env.get(hook_env.ENABLE, '')!r} turns the hook off: memtel run has "
+                          f"nothing to do (unset {hook_env.ENABLE}, or run the command without memtel run)")
     if config.log_dir is not None:
         ensure_private_dir(config.log_dir, what="call-log directory")   # refused here, not in every process
     executable = _resolve(command[0], env.get("PATH", os.defpath))

@@ -16,7 +16,8 @@ from types import MappingProxyType
 DAEMON_PORT = 9101
 HOOK_PORT = 9200
 LAB_PORT = 8000
-HOOK_LOCAL_RANKS = 8  # the readers try the hook ports of local ranks 0..7 on a node: 9200-9207
+HOOK_LOCAL_RANKS = 8  # the readers try the hook ports of local ranks 0..7 on a node
+HOOK_PORT_RANGE = f"{HOOK_PORT}-{HOOK_PORT + HOOK_LOCAL_RANKS - 1}"  # as messages and help texts say it
 
 DEFAULT_PORTS = MappingProxyType({"daemon": DAEMON_PORT, "hook": HOOK_PORT, "lab": LAB_PORT})
 
@@ -26,4 +27,4 @@ def hook_ports() -> range:
     return range(HOOK_PORT, HOOK_PORT + HOOK_LOCAL_RANKS)
 
 
-__all__ = ["DAEMON_PORT", "DEFAULT_PORTS", "HOOK_LOCAL_RANKS", "HOOK_PORT", "LAB_PORT", "hook_ports"]
+__all__ = ["DAEMON_PORT", "DEFAULT_PORTS", "HOOK_LOCAL_RANKS", "HOOK_PORT", "HOOK_PORT_RANGE", "LAB_PORT", "hook_ports"]

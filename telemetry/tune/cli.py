@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from telemetry import hook_env
 from telemetry.errors import ConfigError
 from telemetry.model.indexer.shape import MIB, budget_bytes_from_mib
 
@@ -106,7 +107,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the memory the allocator may reserve in all, in GiB")
     memory.add_argument("--node-headroom", action="store_true",
                         help="the node's headroom now (unified memory: min(MemAvailable, free 2 MiB blocks)) less "
-                             "MEMTEL_GUARD_RESERVE_MB, shared by LOCAL_WORLD_SIZE ranks, on top of the state's "
+                             f"{hook_env.GUARD_RESERVE_MB}, shared by LOCAL_WORLD_SIZE ranks, on top of the state's "
                              "reserved bytes (as the hook's fit budget)")
     engine = parser.add_mutually_exclusive_group()
     engine.add_argument("--engine", choices=sorted(ENGINES), default=None,

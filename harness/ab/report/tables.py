@@ -18,6 +18,7 @@ from harness.ab.report import markdown as md
 from harness.ab.report.comparisons import statistics_section
 from harness.ab.report.markdown import Section, Table
 from harness.ab.report.metrics import RankRequestMetrics, RequestMetrics, RunMetrics, Spread
+from telemetry import hook_env
 from telemetry.catalogue import vllm
 from telemetry.catalogue.fields import NODE_SNAPSHOT_SERIES
 from telemetry.url import redact_credentials
@@ -202,7 +203,7 @@ def allocator_section(metrics: RunMetrics) -> Section:
             + (_with_notes(table.markdown(), notes) if table else "_No ranks configured._")
             + "\n\n### Where the growth happened (hook per-call log)\n\n"
             + (location.markdown() if location
-               else "_No hook per-call logs in this run (set MEMTEL_TARGETS in the serve env)._"))
+               else f"_No hook per-call logs in this run (set {hook_env.TARGETS} in the serve env)._"))
     return Section("allocator", "1. Allocator growth per rank", body, data={"hook_growth": hook_growth_data(metrics)})
 
 

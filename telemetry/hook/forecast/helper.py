@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from telemetry import hook_env
+
 BATCH_SEGMENTS = 64
 HELPER_MAIN = "import sys; from telemetry.hook.forecast.helper import main; sys.exit(main())"
 MAX_FRAME_BYTES = 1 << 30
@@ -91,7 +93,7 @@ class ForecastHelper:
             return process
         self.starts += 1
         env = dict(os.environ)
-        for name in ("MEMTEL_TARGETS", "MEMTEL_ENABLE"):   # not a serving process: memtel run's bootstrap stays off
+        for name in (hook_env.TARGETS, hook_env.ENABLE):   # not a serving process: memtel run's bootstrap stays off
             env.pop(name, None)
         # The helper imports memtel from where this process did (a checkout on sys.path, an installed package).
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -30,8 +30,10 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from telemetry import hook_env
+
 MAX_HISTORY_OPS = 2_000_000      # ops kept after compaction (the replay's bound, telemetry/model/tune/history.py)
-HISTORY_ENV = "MEMTEL_HOOK_HISTORY"
+HISTORY_ENV = hook_env.HOOK_HISTORY
 TORCH_MAX_ENTRIES = 4_000_000    # torch's ring of trace entries when the hook records on CUDA
 
 

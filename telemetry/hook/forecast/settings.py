@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from telemetry import hook_env
 from telemetry.errors import ConfigError
 
 # A forecast's cost grows with the prefill's length (its chunk steps times the indexer layers) and is paid
@@ -80,7 +81,7 @@ def check_interval(value: object, name: str = "forecast_interval_s") -> float:
 SHAPE_KEYS = ("layers", "chunk", "compress_ratio", "max_model_len", "budget_mb", "fixed_width", "topk", "mode")
 
 
-def parse_shape_pairs(text: str, name: str = "MEMTEL_FORECAST_SHAPE") -> dict[str, str]:
+def parse_shape_pairs(text: str, name: str = hook_env.FORECAST_SHAPE) -> dict[str, str]:
     """`key=value,key=value` -> {key: value}; an unknown or repeated key is an error that lists the valid ones."""
     pairs: dict[str, str] = {}
     for part in text.split(","):

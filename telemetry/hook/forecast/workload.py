@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from telemetry import hook_env
 from telemetry.engines import ENGINES
 from telemetry.engines.registry import Engine
 from telemetry.errors import ConfigError
@@ -38,7 +39,8 @@ ENGINE_SOURCES = tuple(engine.name for engine in ENGINES if engine.workload is n
 SOURCES = (PROGRAM, *ENGINE_SOURCES, CONFIG, REFERENCE)
 SOURCE_WORDS = {PROGRAM: "set by the program with set_forecast_workload",
                 **{engine.name: f"read from {engine.title}'s config" for engine in ENGINES if engine.workload},
-                CONFIG: "from MEMTEL_FORECAST_SHAPE", REFERENCE: "the reference workload: MEMTEL_FORECAST_SHAPE unset"}
+                CONFIG: f"from {hook_env.FORECAST_SHAPE}",
+                REFERENCE: f"the reference workload: {hook_env.FORECAST_SHAPE} unset"}
 
 # torch reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF, its older name, after it
 # (c10/core/AllocatorConfig.h).
@@ -123,7 +125,7 @@ def engine_workload(engine: Engine, worker: Any, environ: Mapping[str, str] = os
     return make_workload(read.shape, mode=read.mode, source=engine.name, details=read.details)
 
 
-def workload_from_text(text: str, name: str = "MEMTEL_FORECAST_SHAPE") -> ForecastWorkload:
+def workload_from_text(text: str, name: str = hook_env.FORECAST_SHAPE) -> ForecastWorkload:
     """MEMTEL_FORECAST_SHAPE's `key=value,...` (settings.SHAPE_KEYS) over the reference workload."""
     from telemetry.model.indexer.shape import REFERENCE_SHAPE, IndexerShape, budget_bytes_from_mib
 

@@ -22,12 +22,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from telemetry import hook_env
 from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import shown
 
 log = logging.getLogger("memtel.hook")
 
-VARIABLE = "MEMTEL_FORECAST_SNAPSHOT"
+VARIABLE = hook_env.FORECAST_SNAPSHOT
 CHOICES = ("native", "python")
 BUILD_TIMEOUT_S = 900.0
 BUILD_MAIN = "import sys; from telemetry.hook.forecast.snapshot_native.build import main; sys.exit(main())"
@@ -37,7 +38,7 @@ MEMORY_SNAPSHOT = "memory_snapshot"    # torch.cuda.memory_snapshot(): Python ob
 ALLOCATOR_SOURCE = "allocator_source"  # set_allocator_source(..., snapshot=...)
 
 
-SHADOW_VARIABLE = "MEMTEL_FORECAST_SHADOW"   # on (default): the event shadow after one full snapshot; off: none
+SHADOW_VARIABLE = hook_env.FORECAST_SHADOW   # on (default): the event shadow after one full snapshot; off: none
 EVENT_CAP = 1 << 20   # the most allocator events kept between two cycles (48 bytes each); more: a full snapshot
 # The event log is one per process (the extension's): one reader takes it at a time (another would take events
 # the first one's shadow needs).
@@ -208,7 +209,7 @@ class NativeSnapshots:
 
         build.private_directory(directory)
         env = dict(self.environ)
-        for name in ("MEMTEL_TARGETS", "MEMTEL_ENABLE"):   # not a serving process: memtel run's bootstrap stays off
+        for name in (hook_env.TARGETS, hook_env.ENABLE):   # not a serving process: memtel run's bootstrap stays off
             env.pop(name, None)
         command = self.command or build_command(directory)
         fd = os.open(directory / build.LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
