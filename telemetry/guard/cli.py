@@ -7,7 +7,8 @@
 It reads the longest prefill that fits (memtel_forecast_max_prefill_tokens) from the ranks' hook
 exporters, sizes every /v1/completions, /v1/chat/completions and /v1/responses prompt, forwards what fits (to
 the replica with the most room, given several), holds what does not fit now for up to --queue-s (30 s by
-default), and answers 503 with Retry-After for what still would not. docs/guard.md says how the limit is computed and how to deploy it.
+default), and answers 503 with Retry-After for what still would not. docs/guard.md says how the limit is
+computed and how to deploy it.
 SIGTERM or Ctrl-C stops it.
 """
 
@@ -21,9 +22,9 @@ import signal
 from telemetry.argtypes import add_log_level, bounded_float, bounded_int
 from telemetry.exporter import MetricsServer, format_listen, listen_failed, parse_listen
 from telemetry.exporter.metrics import ExporterCollector
+from telemetry.guard.bounds import DEFAULT_QUEUE_S
 from telemetry.guard.limit import LimitTracker, scrape_forever
 from telemetry.guard.metrics import GuardMetrics, guard_registry
-from telemetry.guard.bounds import DEFAULT_QUEUE_S
 from telemetry.guard.proxy import WHEN_BLIND, GuardLimits, GuardProxy
 from telemetry.guard.replicas import MAX_HOOKS, engines, hook_targets
 

@@ -115,4 +115,5 @@ def engines(upstream: str | None, hooks: str | None, replica: list[str] | None,
     return specs
 
 
-__all__ = ["MAX_HOOKS", "MAX_REPLICAS", "Spec", "engine_url", "engines", "hook_targets", "replica_flag", "replicas_file"]
+__all__ = ["MAX_HOOKS", "MAX_REPLICAS", "Spec", "engine_url", "engines", "hook_targets", "replica_flag",
+           "replicas_file"]
