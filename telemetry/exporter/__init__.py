@@ -5,6 +5,8 @@
 - `load_web_config` (webconfig.py): the Prometheus exporter toolkit's web config file
   (`tls_server_config`, `basic_auth_users`, `http_server_config.headers`); `WEB_CONFIG_ENV` names
   the environment variable the hook reads it from.
+- HTTP through h11 (protocol.py: requests read, answers framed); the /metrics body (exposition.py: the bytes
+  `generate_latest` writes, for less CPU; docs/architecture.md says why and by how much).
 - `parse_listen` (address.py): HOST:PORT / [IPv6]:PORT checked before anything binds.
 - `ExporterCollector` (metrics.py): the server's own connection metrics.
 """

@@ -2,9 +2,11 @@
 
 Byte for byte what `prometheus_client.generate_latest` writes (tests/exporter/test_exposition.py compares the
 two on every registry memtel serves), in less time: a name's and a label name's check is done once per
-family or per name instead of once per sample, and no per-sample escaping scheme is chosen. A family this
-renderer does not write itself (a name outside the classic character set, a sample with a timestamp or a
-native histogram) is rendered by `generate_latest`, so the output never depends on which path wrote it.
+family or per name instead of once per sample, no per-sample escaping scheme is chosen, and each label set's
+written form and each value's are remembered between scrapes. A family this renderer does not write itself (a
+name outside the classic character set, a sample with a timestamp or a native histogram) is rendered by
+`generate_latest`, so the output never depends on which path wrote it. Why this is not `generate_latest`, and by
+how much: docs/architecture.md ("The /metrics body").
 """
 
 from __future__ import annotations
@@ -35,11 +37,17 @@ class _One:
         return (self.metric,)
 
 
+_MAX_REMEMBERED = 20000  # label sets (and values) remembered, a scrape's repeat; past it the memory starts again
+
+
 class Renderer:
-    """Renders registries; remembers which label names it has checked (a scrape's names repeat)."""
+    """Renders registries; remembers which label names it has checked, each label set's written form (`name{k="v"} `)
+    and each value's (`floatToGoString`): a scrape's names, label sets and most values are the last scrape's."""
 
     def __init__(self) -> None:
         self._labels_ok: dict[str, bool] = {}
+        self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str | None] = {}
+        self._values: dict[float, str] = {}
 
     def render(self, registry: Any) -> bytes:
         out: list[str] = []
@@ -62,7 +70,11 @@ class Renderer:
         lines = [f"# HELP {shown} {documentation}\n# TYPE {shown} {text_type}\n"]
         later: dict[str, list[str]] = {}
         checked: set[str] = set()
-        labels_ok = self._labels_ok
+        prefixes, values = self._prefixes, self._values
+        if len(prefixes) > _MAX_REMEMBERED:
+            prefixes.clear()
+        if len(values) > _MAX_REMEMBERED:
+            values.clear()
         for sample in metric.samples:
             if sample.timestamp is not None or getattr(sample, "native_histogram", None) is not None:
                 return False
@@ -71,21 +83,23 @@ class Renderer:
                 if not _METRIC_NAME.fullmatch(sample_name):
                     return False
                 checked.add(sample_name)
+            value = sample.value
+            text = values.get(value)
+            if text is None:
+                text = floatToGoString(value)
+                if value and value == value:  # 0.0 and -0.0 are one key but two texts; NaN is no key
+                    values[value] = text
             labels = sample.labels
             if labels:
-                parts = []
-                for key, value in sorted(labels.items()):
-                    ok = labels_ok.get(key)
-                    if ok is None:
-                        ok = labels_ok[key] = _LABEL_NAME.fullmatch(key) is not None
-                    if not ok:
-                        return False
-                    if "\\" in value or "\n" in value or '"' in value:
-                        value = value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-                    parts.append(f'{key}="{value}"')
-                line = f"{sample_name}{{{','.join(parts)}}} {floatToGoString(sample.value)}\n"
+                key = (sample_name, tuple(labels.items()))
+                prefix = prefixes.get(key, "")
+                if prefix == "":
+                    prefix = prefixes[key] = self._prefix(sample_name, labels)
+                if prefix is None:
+                    return False
+                line = f"{prefix}{text}\n"
             else:
-                line = f"{sample_name} {floatToGoString(sample.value)}\n"
+                line = f"{sample_name} {text}\n"
             for tail in _OPENMETRICS_ONLY:
                 if sample_name == name + tail:
                     later.setdefault(tail, []).append(line)
@@ -97,6 +111,21 @@ class Renderer:
             lines.extend(tail_lines)
         out.extend(lines)
         return True
+
+    def _prefix(self, sample_name: str, labels: dict[str, str]) -> str | None:
+        """`name{k="v",...} ` with the labels sorted and escaped; None where a label name is outside the set."""
+        labels_ok = self._labels_ok
+        parts = []
+        for key, value in sorted(labels.items()):
+            ok = labels_ok.get(key)
+            if ok is None:
+                ok = labels_ok[key] = _LABEL_NAME.fullmatch(key) is not None
+            if not ok:
+                return None
+            if "\\" in value or "\n" in value or '"' in value:
+                value = value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+            parts.append(f'{key}="{value}"')
+        return f"{sample_name}{{{','.join(parts)}}} "
 
 
 __all__ = ["Renderer"]

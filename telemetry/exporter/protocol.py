@@ -1,17 +1,19 @@
-"""The little HTTP/1.x an exporter needs, as pure functions: split and parse a request, build a response.
+"""The exporter's HTTP/1.1 through h11's server state machine: requests read and responses framed by h11.
 
-Only GET and HEAD without a body are served (Prometheus sends nothing else). Keep-alive follows
-RFC 9112: an HTTP/1.1 connection stays open unless a `Connection: close` token says otherwise, an
-HTTP/1.0 one only with `Connection: keep-alive`; a response that closes says `Connection: close`.
+h11 parses every request head and frames every response (RFC 9112); this module writes no framing of its own and
+never re-parses bytes. It only decides what an exporter serves: GET and HEAD without a body (Prometheus sends
+nothing else; a body is refused 413), HTTP/1.1 and HTTP/1.0 (others 505). Keep-alive is h11's: an HTTP/1.1
+connection stays open unless a `Connection: close` token says otherwise; h11 closes every HTTP/1.0 connection
+after its answer (it does not implement HTTP/1.0 keep-alive) and says `Connection: close`. An HTTP/1.1 request
+without `Host` is refused 400 (RFC 9112 section 3.2), as is anything else h11 refuses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 
-MAX_HEADERS = 64
-_TOKEN_CHARS = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+import h11
 
 
 def reason_phrase(status: int) -> str:
@@ -33,73 +35,67 @@ class BadRequest(Exception):
 @dataclass(frozen=True)
 class Request:
     method: str
-    path: str  # the target without its query string
+    path: str  # the target without its query string (an absolute-form target: its path)
     version: str  # "HTTP/1.1" or "HTTP/1.0"
-    headers: dict[str, str] = field(default_factory=dict)  # lower-case names; repeated ones joined by ", "
-
-    @property
-    def keep_alive(self) -> bool:
-        tokens = {t.strip().lower() for t in self.headers.get("connection", "").split(",")}
-        if self.version == "HTTP/1.1":
-            return "close" not in tokens
-        return "keep-alive" in tokens
+    authorization: str | None  # the Authorization header, if sent (repeated ones joined by ", ")
 
 
-def split_head(buffer: bytes | bytearray) -> tuple[bytes, bytes] | None:
-    """(request head without its blank line, what follows) once the head is complete, else None."""
-    end = buffer.find(b"\r\n\r\n")
-    if end < 0:
-        return None
-    return bytes(buffer[:end]), bytes(buffer[end + 4:])
+def new_connection(max_head_bytes: int) -> h11.Connection:
+    """A server-side h11 connection whose incomplete request head may hold at most `max_head_bytes` (431 past)."""
+    return h11.Connection(h11.SERVER, max_incomplete_event_size=max_head_bytes)
 
 
-def parse_request(head: bytes) -> Request:
-    """Parse a request head (request line and header lines, CRLF-separated); BadRequest if malformed."""
+def next_request(http: h11.Connection) -> Request | None:
+    """The next complete request from what `http` has received, or None until more arrives; BadRequest if h11
+    refuses it or an exporter does not serve it (the connection is closed after the answer)."""
+    if http.our_state is h11.DONE and http.their_state is h11.DONE:
+        http.start_next_cycle()   # the previous exchange is over: a pipelined request may be waiting
     try:
-        text = head.decode("ascii")
-    except UnicodeDecodeError:
-        raise BadRequest(400, "request head is not ASCII") from None
-    lines = text.split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3:
-        raise BadRequest(400, "malformed request line")
-    method, target, version = parts
-    if version not in ("HTTP/1.1", "HTTP/1.0"):
-        raise BadRequest(505 if version.startswith("HTTP/") else 400, f"unsupported protocol {version[:16]!r}")
-    if not method or not all(ord(c) in _TOKEN_CHARS for c in method):
-        raise BadRequest(400, "malformed method")
-    if target.startswith(("http://", "https://")):  # absolute form: keep only the path
-        slash = target.find("/", target.find("//") + 2)
+        event = http.next_event()
+        if not isinstance(event, h11.Request):
+            return None   # NEED_DATA (or PAUSED: an answer is still being written)
+        version = event.http_version.decode("ascii")
+        if version not in ("1.1", "1.0"):
+            raise BadRequest(505, f"HTTP/{version} is not supported; expected HTTP/1.1 or HTTP/1.0")
+        authorization: list[str] = []
+        for raw_name, value in event.headers.raw_items():
+            name = raw_name.lower()
+            if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+                raise BadRequest(413, "request bodies are not accepted")
+            if name == b"authorization":
+                authorization.append(value.decode("latin-1"))
+        end = http.next_event()   # a request without a body ends with its head
+        if not isinstance(end, h11.EndOfMessage):
+            raise BadRequest(400, "malformed request")
+    except h11.RemoteProtocolError as exc:
+        raise BadRequest(exc.error_status_hint, f"malformed request: {exc}") from None
+    target = event.target.decode("ascii")
+    if not target.startswith("/"):   # absolute form (or *): keep only the path
+        start = target.find("//")
+        slash = target.find("/", start + 2) if start >= 0 else -1
         target = target[slash:] if slash >= 0 else "/"
-    if not target.startswith("/") or any(ord(c) <= 32 or ord(c) == 127 for c in target):
-        raise BadRequest(400, "malformed request target")
-    if len(lines) - 1 > MAX_HEADERS:
-        raise BadRequest(431, f"more than {MAX_HEADERS} header lines")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or not all(ord(c) in _TOKEN_CHARS for c in name):
-            raise BadRequest(400, "malformed header line")  # also rejects obsolete line folding
-        key = name.lower()
-        value = value.strip(" \t")
-        headers[key] = f"{headers[key]}, {value}" if key in headers else value
-    if "transfer-encoding" in headers or headers.get("content-length", "0").strip() not in ("0", ""):
-        raise BadRequest(413, "request bodies are not accepted")
-    return Request(method, target.split("?", 1)[0], version, headers)
+    return Request(event.method.decode("ascii"), target.split("?", 1)[0], f"HTTP/{version}",
+                   ", ".join(authorization) if authorization else None)
 
 
-def build_response(status: int, body: bytes, content_type: str, *, keep_alive: bool, version: str = "HTTP/1.1",
-                   head_only: bool = False, extra_headers: tuple[tuple[str, str], ...] = ()) -> bytes:
-    """Status line, headers and body in one buffer (one write, one segment on loopback)."""
-    lines = [f"HTTP/1.1 {status} {reason_phrase(status)}",
-             f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
-    if not keep_alive:
-        lines.append("Connection: close")
-    elif version == "HTTP/1.0":
-        lines.append("Connection: keep-alive")
-    lines.extend(f"{name}: {value}" for name, value in extra_headers)
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-    return head if head_only else head + body
+def frame_response(http: h11.Connection, status: int, body: bytes, content_type: str, *, head_only: bool = False,
+                   close: bool = False, extra_headers: tuple[tuple[str, str], ...] = ()) -> bytes:
+    """The whole response as h11 frames it, in one buffer (one write, one segment on loopback). `close` asks h11 to
+    end the connection after it (`Connection: close`); `http.our_state` then says whether it stays open."""
+    headers = [("Content-Type", content_type), ("Content-Length", str(len(body))), *extra_headers]
+    if close:
+        headers.append(("Connection", "close"))
+    parts = [http.send(h11.Response(status_code=status, reason=reason_phrase(status), headers=headers))]
+    if body and not head_only:
+        parts.append(http.send(h11.Data(data=body)))
+    parts.append(http.send(h11.EndOfMessage()))
+    return b"".join(p for p in parts if p)
 
 
-__all__ = ["BadRequest", "Request", "build_response", "parse_request", "reason_phrase", "split_head"]
+def keeps_alive(http: h11.Connection) -> bool:
+    """After a response: the connection serves another request (h11 did not decide to close it)."""
+    return http.our_state is h11.DONE
+
+
+__all__ = ["BadRequest", "Request", "frame_response", "keeps_alive", "new_connection", "next_request",
+           "reason_phrase"]

@@ -5,9 +5,11 @@ handshakes without blocking and closes connections that stay idle (`idle_timeout
 too long to send a request (`request_timeout_seconds`). The same thread answers complete requests
 (plain or TLS): it renders the registry and writes what the socket takes at once; the rest of an answer
 waits for the socket to become writable (closed after `write_timeout_seconds`). Only a login that needs
-a bcrypt check and a malformed request go to a small pool of worker threads (`workers`), which answer
-the same way and hand the connection back. So a scrape costs no thread of its own, a client that does
-not read holds no thread, and an idle connection costs one file descriptor and nothing else.
+a bcrypt check goes to a small pool of worker threads (`workers`), which answer the same way and hand the
+connection back. Each connection's HTTP is an h11 state machine (protocol.py): h11 parses what was read
+and frames every answer; this module owns only the sockets, the timeouts and the bounds. So a scrape costs
+no thread of its own, a client that does not read holds no thread, and an idle connection costs one file
+descriptor and nothing else.
 
 The number of open connections is bounded (`max_connections`, and never more than the process's
 open-file limit allows): past it, the connection idle the longest is closed to make room, so a flood
@@ -15,9 +17,10 @@ of idle connections can delay a scrape by one accept, not stop it. The listen ba
 (`backlog`), so 50 scrapers connecting at once do not wait for SYN retransmits. Accept errors such as
 EMFILE pause accepting briefly instead of spinning a core.
 
-Pipelined requests are bounded and served in turns: a connection is not read again while its buffer
-(at most `max_request_bytes`) still holds a complete request, it gets at most `pipelined_per_turn`
-answers before every other ready connection has had its turn, and a response the client does not read
+Pipelined requests are bounded and served in turns: a connection is not read again while what h11
+holds unparsed (at most `max_request_bytes`, also the bound on a request head: 431 past it) still holds a
+complete request, it gets at most `pipelined_per_turn` answers before every other ready connection has had
+its turn, and a response the client does not read
 waits on the selector for the socket to become writable (closed after `write_timeout_seconds`) without
 holding a thread. Every /metrics answer comes from a `SharedCollection`: requests read in the same
 turn, or pipelined on one connection, share one collection that began after they arrived.
@@ -46,7 +49,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from telemetry.errors import ConfigError, RunError
 from telemetry.exporter.address import format_listen
 from telemetry.exporter.exposition import Renderer
-from telemetry.exporter.protocol import BadRequest, Request, build_response, parse_request, split_head
+from telemetry.exporter.protocol import (
+    BadRequest,
+    Request,
+    frame_response,
+    keeps_alive,
+    new_connection,
+    next_request,
+)
 from telemetry.exporter.shared_collection import SharedCollection
 from telemetry.exporter.webconfig import WebConfig
 
@@ -75,13 +85,14 @@ class ServerLimits:
 
 
 class _Connection:
-    __slots__ = ("buffer", "busy", "close_after", "handshaking", "peer", "pending", "queued", "received_at",
+    __slots__ = ("busy", "close_after", "handshaking", "http", "peer", "pending", "queued", "received_at", "request",
                  "request_started", "since", "sock", "write_started")
 
-    def __init__(self, sock: socket.socket, peer: object, now: float, handshaking: bool) -> None:
+    def __init__(self, sock: socket.socket, peer: object, now: float, handshaking: bool, max_head_bytes: int) -> None:
         self.sock = sock
         self.peer = peer
-        self.buffer = bytearray()
+        self.http = new_connection(max_head_bytes)  # h11: what was read and not yet parsed, the exchange's state
+        self.request: Request | BadRequest | None = None  # parsed from `http`, not yet answered
         self.since = now
         self.request_started: float | None = now if handshaking else None
         self.busy = False
@@ -89,7 +100,7 @@ class _Connection:
         self.pending = b""  # the rest of a response the socket did not take at once
         self.close_after = False  # close once `pending` is sent
         self.write_started: float | None = None  # when `pending` began to wait for the socket
-        self.received_at = now  # when bytes were last read: every request in `buffer` arrived by then
+        self.received_at = now  # when bytes were last read: every request `http` holds arrived by then
         self.queued = False  # in the server's ready queue
 
 
@@ -265,7 +276,8 @@ class MetricsServer:
                 sock.close()
                 self._count("tls_failed")
                 return
-        conn = _Connection(sock, peer, time.monotonic(), handshaking=tls is not None)
+        conn = _Connection(sock, peer, time.monotonic(), handshaking=tls is not None,
+                           max_head_bytes=self.limits.max_request_bytes)
         self._conns.add(conn)
         self._selector.register(sock, selectors.EVENT_READ, conn)
 
@@ -307,9 +319,14 @@ class MetricsServer:
             self._flush(conn)
             return
         limit = self.limits.max_request_bytes
-        while len(conn.buffer) <= limit:
+        held = _unparsed(conn)
+        # A plain socket that gave less than asked is empty for now (the selector says when more comes): no
+        # recv that fails with EAGAIN. TLS may hold decrypted bytes the socket does not show, so it reads on.
+        plain = not isinstance(sock, ssl.SSLSocket)
+        while held <= limit:
+            wanted = min(65536, limit + 1 - held)
             try:
-                chunk = sock.recv(min(65536, limit + 1 - len(conn.buffer)))
+                chunk = sock.recv(wanted)
             except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 break
             except (ssl.SSLError, OSError):
@@ -320,12 +337,23 @@ class MetricsServer:
                 return
             if conn.request_started is None:
                 conn.request_started = time.monotonic()
-            conn.buffer += chunk
+            conn.http.receive_data(chunk)
+            held += len(chunk)
+            if plain and len(chunk) < wanted:
+                break
         conn.received_at = time.monotonic()
         self._queue_if_ready(conn)
 
     def _queue_if_ready(self, conn: _Connection) -> None:
-        if not conn.queued and (b"\r\n\r\n" in conn.buffer or len(conn.buffer) > self.limits.max_request_bytes):
+        """Queue the connection if h11 has a complete request in what it read (or one it refuses)."""
+        if conn.queued:
+            return
+        if conn.request is None:
+            try:
+                conn.request = next_request(conn.http)
+            except BadRequest as exc:
+                conn.request = exc
+        if conn.request is not None:
             conn.queued = True
             self._ready.append(conn)
 
@@ -359,27 +387,21 @@ class MetricsServer:
         Rendering takes milliseconds and is shared (`SharedCollection`); the response is written without
         blocking, and whatever the socket does not take at once waits for the socket to become writable
         (`_flush`), so a client that does not read holds neither this thread nor a worker. At most
-        `pipelined_per_turn` requests are answered; the connection then queues behind the others. A login
-        that needs a bcrypt check (~70 ms; `BasicAuth.answered_without_bcrypt`) and a malformed request go to
-        a worker, so a flood of new wrong passwords delays no scraper whose login is cached. False: hand over.
+        `pipelined_per_turn` requests are answered; the connection then queues behind the others; a request
+        h11 refuses is answered with its status and the connection closed. A login that needs a bcrypt check
+        (~70 ms; `BasicAuth.answered_without_bcrypt`) goes to a worker, so a flood of new wrong passwords delays
+        no scraper whose login is cached. False: hand over.
         """
         auth = self.web_config.basic_auth
         for _ in range(self.limits.pipelined_per_turn):
-            head_and_rest = split_head(conn.buffer)
-            if head_and_rest is None:
-                return len(conn.buffer) <= self.limits.max_request_bytes  # an oversize head: a worker says 431
-            head, rest = head_and_rest
-            if len(head) > self.limits.max_request_bytes:
+            request = self._take_request(conn)
+            if request is None:
+                return True
+            if (isinstance(request, Request) and auth is not None
+                    and not auth.answered_without_bcrypt(request.authorization)):
+                conn.request = request  # the worker answers it
                 return False
-            try:
-                request = parse_request(head)
-            except BadRequest:
-                return False  # a worker answers it with its status and closes
-            if auth is not None and not auth.answered_without_bcrypt(request.headers.get("authorization")):
-                return False
-            conn.buffer = bytearray(rest)
-            keep_alive = request.keep_alive and not self._stopping
-            data = self._respond(request, keep_alive, conn.received_at)
+            data, keep_alive = self._respond(conn, request)
             try:
                 sent_all = self._send(conn, data, keep_alive)
             except OSError:  # ssl.SSLError too
@@ -393,7 +415,7 @@ class MetricsServer:
                 return True
             now = time.monotonic()
             conn.since = now
-            conn.request_started = now if conn.buffer else None
+            conn.request_started = now if _unparsed(conn) else None
         self._queue_if_ready(conn)  # more pipelined requests: after every other ready connection
         return True
 
@@ -419,7 +441,7 @@ class MetricsServer:
             return
         now = time.monotonic()
         conn.since = now
-        conn.request_started = now if conn.buffer else None
+        conn.request_started = now if _unparsed(conn) else None
         self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
         self._queue_if_ready(conn)
         self._read_tls_buffer(conn)
@@ -491,37 +513,21 @@ class MetricsServer:
 
     # -- worker threads ------------------------------------------------------------------------------
     def _answer(self, conn: _Connection) -> None:
-        """Answer up to `pipelined_per_turn` complete requests in the buffer, then hand the connection back
+        """Answer up to `pipelined_per_turn` complete requests h11 holds, then hand the connection back
         (the selector thread queues it again if requests are left, or waits for the socket to take the rest
         of an answer: `pending`) or close it. A worker never waits for a client to read."""
         keep_alive = True
         try:
             for _ in range(self.limits.pipelined_per_turn):
-                head_and_rest = split_head(conn.buffer)
-                if head_and_rest is None:
-                    if len(conn.buffer) > self.limits.max_request_bytes:
-                        keep_alive = False
-                        self._send(conn, build_response(431, b"request head too large\n", _TEXT, keep_alive=False),
-                                   keep_alive)
+                request = self._take_request(conn)
+                if request is None:
                     break
-                head, rest = head_and_rest
-                conn.buffer = bytearray(rest)
-                try:
-                    if len(head) > self.limits.max_request_bytes:
-                        raise BadRequest(431, "request head too large")
-                    request = parse_request(head)
-                except BadRequest as exc:
-                    self._count("bad_requests")
-                    keep_alive = False
-                    self._send(conn, build_response(exc.status, f"{exc}\n".encode(), _TEXT, keep_alive=False),
-                               keep_alive)
-                    break
-                keep_alive = request.keep_alive and not self._stopping
-                if not self._send(conn, self._respond(request, keep_alive, conn.received_at), keep_alive):
+                data, keep_alive = self._respond(conn, request)
+                if not self._send(conn, data, keep_alive):
                     break  # the rest waits on the selector thread for the socket
                 if not keep_alive:
                     break
-                conn.request_started = time.monotonic() if conn.buffer else None
+                conn.request_started = time.monotonic() if _unparsed(conn) else None
                 conn.since = time.monotonic()
         except (OSError, ValueError) as exc:  # a client gone, a TLS error
             self._count("write_failed")
@@ -552,22 +558,42 @@ class MetricsServer:
         self._count("partial_writes")
         return False
 
-    def _respond(self, request: Request, keep_alive: bool, arrived: float) -> bytes:
+    def _take_request(self, conn: _Connection) -> Request | BadRequest | None:
+        """The request parsed when the connection was queued, else the next one h11 has complete (None: none)."""
+        request, conn.request = conn.request, None
+        if request is None:
+            try:
+                request = next_request(conn.http)
+            except BadRequest as exc:
+                request = exc
+        return request
+
+    def _respond(self, conn: _Connection, request: Request | BadRequest) -> tuple[bytes, bool]:
+        """The response to `request`, framed by the connection's h11, and whether the connection stays open."""
         headers = self.web_config.headers
+        http = conn.http
+        if isinstance(request, BadRequest):
+            self._count("bad_requests")
+            data = frame_response(http, request.status, f"{request}\n".encode(), _TEXT, close=True,
+                                  extra_headers=headers)
+            return data, False
+        close = self._stopping
         head_only = request.method == "HEAD"
         if request.method not in ("GET", "HEAD"):
-            return build_response(405, b"only GET and HEAD are served\n", _TEXT, keep_alive=keep_alive,
-                                  version=request.version, extra_headers=(("Allow", "GET, HEAD"), *headers))
+            data = frame_response(http, 405, b"only GET and HEAD are served\n", _TEXT, close=close,
+                                  extra_headers=(("Allow", "GET, HEAD"), *headers))
+            return data, keeps_alive(http)
         auth = self.web_config.basic_auth
-        if auth is not None and not auth.check(request.headers.get("authorization")):
+        if auth is not None and not auth.check(request.authorization):
             self._count("unauthorized")
-            return build_response(401, b"Unauthorized\n", _TEXT, keep_alive=keep_alive, version=request.version,
-                                  head_only=head_only, extra_headers=(("WWW-Authenticate", 'Basic realm="memtel"'),
-                                                                      *headers))
-        status, body, content_type = self._route(request.path, arrived)
+            data = frame_response(http, 401, b"Unauthorized\n", _TEXT, head_only=head_only, close=close,
+                                  extra_headers=(("WWW-Authenticate", 'Basic realm="memtel"'), *headers))
+            return data, keeps_alive(http)
+        status, body, content_type = self._route(request.path, conn.received_at)
         self._count("requests")
-        return build_response(status, body, content_type, keep_alive=keep_alive, version=request.version,
-                              head_only=head_only, extra_headers=headers)
+        data = frame_response(http, status, body, content_type, head_only=head_only, close=close,
+                              extra_headers=headers)
+        return data, keeps_alive(http)
 
     def _route(self, path: str, arrived: float) -> tuple[int, bytes, str]:
         if path == "/metrics":
@@ -582,6 +608,11 @@ class MetricsServer:
             pages = "/metrics and /healthz" if self.health is not None else "/metrics"
             return 200, f"{self.name}: see {pages}\n".encode(), _TEXT
         return 404, b"not found: try /metrics\n", _TEXT
+
+
+def _unparsed(conn: _Connection) -> int:
+    """Bytes read from the connection that h11 holds unparsed (part of a next request, or pipelined ones)."""
+    return len(conn.http.trailing_data[0])
 
 
 def _bind(host: str, port: int, backlog: int) -> socket.socket:

@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from telemetry import hook_env
 from telemetry.errors import ConfigError
 from telemetry.exporter.auth import BasicAuth
 from telemetry.validate import Validator, join, kind
 
-WEB_CONFIG_ENV = "MEMTEL_WEB_CONFIG"  # the hook's way to name a web config file (the daemon has --web-config)
+WEB_CONFIG_ENV = hook_env.WEB_CONFIG  # the hook's way to name a web config file (the daemon has --web-config)
 
 _TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version")
 _TLS_UNSUPPORTED = ("cert", "key", "client_ca", "client_allowed_sans", "cipher_suites", "curve_preferences",
@@ -161,8 +162,9 @@ def _headers(section: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]
             raise ConfigError(f"{where}.headers: {name!r} is not a header name")
         if not isinstance(value, str) or not _HEADER_VALUE.match(value):
             raise ConfigError(f"{where}.headers.{name}: expected printable ASCII text of at most 1024 characters")
-        if name.lower() in ("content-type", "content-length", "connection", "www-authenticate"):
+        if name.lower() in ("content-type", "content-length", "connection", "www-authenticate", "transfer-encoding"):
             raise ConfigError(f"{where}.headers.{name}: this header is set by the exporter itself")
+        value = value.strip(" ")  # spaces around a value are not part of it (RFC 9110 section 5.5); h11 refuses them
         if value:
             out.append((name, value))
     http2 = section.get("http2", True)

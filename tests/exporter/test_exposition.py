@@ -97,3 +97,22 @@ def test_the_daemons_real_registry(tmp_path):
     ProcessCollector(registry=registry)
     text = same(registry)
     assert "memtel_node_mem_available_bytes" in text and f'pid="{os.getpid()}"' not in text
+
+
+def test_one_renderer_over_many_scrapes_writes_each_scrapes_own_labels_and_values():
+    """The renderer remembers label sets and values between scrapes; what it writes is still each scrape's own."""
+    renderer = Renderer()
+    scrapes = [
+        [("a", 0.0), ("b", 1.0), ("c", float("nan"))],
+        [("a", -0.0), ("b", 1), ("c", 2.5)],          # -0.0 after 0.0: equal keys, different texts
+        [("b", 0.0), ("a", 1e21), ("c", float("nan"))],  # the same label values in another order, new values
+        [("a\n", True), ('b"', 3.0), ("c\\", float("inf"))],
+    ]
+    for round_, samples in enumerate(scrapes):
+        family = GaugeMetricFamily("memtel_test_remembered", "Remembered label sets.", labels=["site", "rank"])
+        for i, (site, value) in enumerate(samples):
+            family.add_metric([site, str(i)], value)
+        counter = CounterMetricFamily("memtel_test_remembered_events", "Events.", labels=["site"])
+        counter.add_metric([samples[0][0]], round_)
+        fixed = Fixed([family, counter])
+        assert renderer.render(fixed) == generate_latest(fixed), round_

@@ -160,3 +160,23 @@ def test_a_bad_web_config_is_one_line_and_exit_2(tmp_path, certs):
     missing = run_cli("--web-config", str(tmp_path / "missing.yml"), "--check-config")
     assert missing.returncode == 2 and "cannot read web config file" in missing.stderr
     assert failures == []
+
+
+def test_extra_headers_are_ones_h11_can_send(tmp_path):
+    """h11 frames every answer: a header it refuses (spaces around a value) would fail every response, and one that
+    frames the body (Transfer-Encoding) would replace the exporter's Content-Length. Found switching to h11."""
+    from telemetry.errors import ConfigError
+    from telemetry.exporter.protocol import frame_response, new_connection, next_request
+    from telemetry.exporter.webconfig import web_config_from_mapping
+
+    config = web_config_from_mapping({"http_server_config": {"headers": {"X-Frame-Options": " deny "}}}, "web.yml",
+                                     tmp_path)
+    assert config.headers == (("X-Frame-Options", "deny"),)
+    http = new_connection(1024)
+    http.receive_data(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert next_request(http) is not None
+    assert b"\r\nX-Frame-Options: deny\r\n" in frame_response(http, 200, b"ok", "text/plain",
+                                                               extra_headers=config.headers)
+    with pytest.raises(ConfigError, match="Transfer-Encoding: this header is set by the exporter itself"):
+        web_config_from_mapping({"http_server_config": {"headers": {"Transfer-Encoding": "chunked"}}}, "web.yml",
+                                tmp_path)
