@@ -500,6 +500,29 @@ def spark_serving(util: float, base: float) -> Callable[[], Iterator[dict]]:
     return make
 
 
+@dataclass
+class SglangStart(EngineStart):
+    """SGLang starting: its static memory (weights and KV pool) is `util` (mem_fraction_static) of what was
+    available before its weights loaded (`available`), known from init_torch_distributed (its hook says so)."""
+
+    available: float = REAL_SPARK_DESKTOP
+
+    @property
+    def budget(self) -> float:
+        return self.util * self.available
+
+
+def sglang_start() -> Iterator[dict]:
+    """SGLang at mem_fraction_static 0.85 starting on the real Spark with its desktop (113 GiB available): 96 GiB
+    of weights and KV pool, the headroom settles at 17 GiB, below a quarter of the node."""
+    engine = SglangStart(begin=30, util=0.85, weights=30 * GIB, pid=4400)
+    header = {"outcome": "benign", "node": "spark-desktop",
+              "description": "SGLang at mem_fraction_static 0.85 starting on a Spark with a desktop session; its "
+                             "hook announces the start from init_torch_distributed."}
+    return timeline(header, Node(REAL_SPARK_TOTAL, REAL_SPARK_DESKTOP, REAL_SPARK_DESKTOP - 2 * GIB), 150,
+                    starts([engine], base=REAL_SPARK_DESKTOP), seed=74)
+
+
 def engine_dies_after_nv_err() -> Iterator[dict]:
     """A real Spark with its desktop serving at 0.85; a long prefill's allocator segments take the last
     9.6 GiB at 0.4 GiB/s; the driver logs NV_ERR_NO_MEMORY at t=140 and the engine exits at t=146 (its memory
@@ -597,6 +620,7 @@ TIMELINES: dict[str, Callable[[], Iterator[dict]]] = {
     "engine-dies-after-nv-err": engine_dies_after_nv_err,
     "swap-thrash-to-oom-kill": swap_thrash_to_oom_kill,
     "spark-desktop-start-with-an-nv-err-line": start_with_an_nv_err_line,
+    "sglang-start-0.85-spark-desktop": sglang_start,
 }
 
 

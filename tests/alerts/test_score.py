@@ -36,7 +36,8 @@ BENIGN = ("page-cache-churn", "model-weights-in-page-cache", "large-flat-allocat
           "nv-err-at-rest", "no-nvidia-driver", "spark-desktop-serving-0.85", "spark-headless-serving-0.90",
           "spark-desktop-start-with-an-nv-err-line")
 STARTS = ("spark-start-0.70", "spark-start-0.85", "spark-start-0.90", "spark-restart-loop",
-          "two-engines-starting-together", "start-on-a-low-node", "slow-1m-token-prefill")  # benign (issue 29)
+          "two-engines-starting-together", "start-on-a-low-node", "slow-1m-token-prefill",  # benign (issue 29)
+          "sglang-start-0.85-spark-desktop")   # issue 38
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
