@@ -3,7 +3,7 @@
 In the style of h11: no I/O, no callbacks, no clock read. The front door reads the hooks, the clocks and the
 upstream; the core keeps the state (each replica's readings and holds, the pool, the queue) and says what to do.
 
-Readings (readings.py). One `Readings` per replica (its hooks' `HookState`s); report each hook's answer with
+Readings (readings.py). One `Readings` per replica (its hooks' `HookReading`s); report each hook's answer with
 `readings.record_at(hook, fits, error, rejected, now, wall)` (`parse_hook(text)` gives fits and rejected) and the
 replica's health with `admission.pool.leave(replica, why)` / `admission.pool.back(replica)`. `Replica(name,
 readings)` (pool.py) is one engine; `Admission(replicas, Settings(when_blind, queue_s, max_queued))` one front door
@@ -51,11 +51,11 @@ from telemetry.admission.decisions import (
 )
 from telemetry.admission.pool import MaxModelLen, Replica, ReplicaPool
 from telemetry.admission.prompt import PromptError, PromptSize, measure, parse_body
-from telemetry.admission.readings import HookState, Limit, RankFit, Readings, parse_hook
+from telemetry.admission.readings import HookReading, Limit, RankFit, Readings, parse_hook
 from telemetry.admission.refusal import Refusal, error_body, parse_models
 
 __all__ = ["BLIND_ROOM", "WAITABLE", "WHEN_BLIND", "Admission", "AtBest", "AtBestBook", "CountFirst", "Decision",
-           "Forward", "Hold", "HookState", "Limit", "MaxModelLen", "Now", "Prompt", "PromptError", "PromptSize",
+           "Forward", "Hold", "HookReading", "Limit", "MaxModelLen", "Now", "Prompt", "PromptError", "PromptSize",
            "RankFit", "ReadModels", "Readings", "Refusal", "Refuse", "RefusePermanent", "RefuseTransient", "Replica",
            "ReplicaPool", "Settings", "best_replica", "deployment_at_best", "error_body", "measure", "parse_body",
            "parse_hook", "parse_models", "replica_at_best"]

@@ -146,7 +146,7 @@ def parse_hook(text: str) -> tuple[list[RankFit], list[str]]:
 
 
 @dataclass
-class HookState:
+class HookReading:
     """One hook's last answer as the caller reported it (`Readings.record`)."""
 
     target: Endpoint  # the hook's exporter (`--hooks`: telemetry/url.py parses it)
@@ -178,7 +178,7 @@ class Readings:
 
     def __init__(self, targets: list[Endpoint], *, stale_s: float, reserve_bytes: float = 0.0,
                  at_best_window_s: float = AT_BEST_WINDOW_S) -> None:
-        self.hooks = [HookState(t) for t in targets]
+        self.hooks = [HookReading(t) for t in targets]
         self.book = AtBestBook(at_best_window_s)  # clean at-best readings, prefills in flight (at_best.py)
         self.stale_s = stale_s
         self.reserve_bytes = reserve_bytes
@@ -189,7 +189,7 @@ class Readings:
         self._blind_since: float | None = None
 
     # -- the hooks' answers ----------------------------------------------------------------------------------
-    def record_at(self, hook: HookState, fits: list[RankFit] | None, error: str | None, rejected: list[str] | None,
+    def record_at(self, hook: HookReading, fits: list[RankFit] | None, error: str | None, rejected: list[str] | None,
                   now: float, wall: float) -> bool:
         """A hook's answer (`fits`) or why there is none (`error`); whether the limit may have moved (a new
         forecast, or the last one gone stale: a waiter may be decided again)."""
@@ -202,8 +202,8 @@ class Readings:
         hook.failures += 1
         return hook.scraped_at is None or now - hook.scraped_at > self.stale_s
 
-    def fresh(self, now: float, wall: float) -> list[tuple[HookState, RankFit]]:
-        found: list[tuple[HookState, RankFit]] = []
+    def fresh(self, now: float, wall: float) -> list[tuple[HookReading, RankFit]]:
+        found: list[tuple[HookReading, RankFit]] = []
         for hook in self.hooks:
             if hook.scraped_at is None or now - hook.scraped_at > self.stale_s:
                 continue
@@ -276,5 +276,5 @@ class Readings:
             self._blind_since = now
 
 
-__all__ = ["AT_BEST", "FIT_BUDGET", "GROWTH", "LAST_SUCCESS", "MAX_PREFILL", "NO_GAUGE_HINT", "HookState", "Limit",
+__all__ = ["AT_BEST", "FIT_BUDGET", "GROWTH", "LAST_SUCCESS", "MAX_PREFILL", "NO_GAUGE_HINT", "HookReading", "Limit",
            "RankFit", "Readings", "parse_fits", "parse_hook"]

@@ -23,7 +23,7 @@ from telemetry.admission.readings import (
     LAST_SUCCESS,
     MAX_PREFILL,
     NO_GAUGE_HINT,
-    HookState,
+    HookReading,
     Limit,
     RankFit,
     Readings,
@@ -62,7 +62,7 @@ class LimitTracker(Readings):
         for listener in self._listeners:
             listener()
 
-    def record(self, hook: HookState, fits: list[RankFit] | None, error: str | None,
+    def record(self, hook: HookReading, fits: list[RankFit] | None, error: str | None,
                rejected: list[str] | None = None) -> None:
         if self.record_at(hook, fits, error, rejected, time.monotonic(), time.time()):
             self.notify()  # a new limit, or the last one stale: maybe blind (--when-blind admit admits the waiters)
@@ -71,7 +71,7 @@ class LimitTracker(Readings):
             log.error("memtel guard: the hook %s answers but exports no %s: %s; until it does, the guard is blind "
                       "for its ranks and --when-blind decides", hook.target.url, MAX_PREFILL, NO_GAUGE_HINT)
 
-    def fresh(self, now: float | None = None, wall: float | None = None) -> list[tuple[HookState, RankFit]]:
+    def fresh(self, now: float | None = None, wall: float | None = None) -> list[tuple[HookReading, RankFit]]:
         return super().fresh(time.monotonic() if now is None else now, time.time() if wall is None else wall)
 
     def why_blind(self) -> str:
@@ -132,7 +132,7 @@ def _read_hook(body: bytes) -> tuple[list[RankFit], list[str]]:
 
 async def scrape_forever(tracker: LimitTracker, poll_s: float, timeout_s: float) -> None:
     """Scrape every hook every `poll_s` (all at once), record the answers, keep the blind state current."""
-    async def one(hook: HookState) -> None:
+    async def one(hook: HookReading) -> None:
         try:
             body = await fetch_metrics(hook.target, timeout_s)
             fits, rejected = await asyncio.to_thread(_read_hook, body)  # not on the loop that serves the clients
@@ -150,5 +150,5 @@ async def scrape_forever(tracker: LimitTracker, poll_s: float, timeout_s: float)
 
 
 __all__ = ["AT_BEST", "FIT_BUDGET", "FUTURE_SLACK_S", "GROWTH", "LAST_SUCCESS", "MAX_METRICS_BYTES", "MAX_PREFILL",
-           "HookState", "Limit", "LimitTracker", "RankFit", "fetch_metrics", "parse_fits", "parse_hook",
+           "HookReading", "Limit", "LimitTracker", "RankFit", "fetch_metrics", "parse_fits", "parse_hook",
            "scrape_forever"]

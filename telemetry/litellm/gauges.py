@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from telemetry.admission.readings import HookState, Limit, RankFit, parse_hook
+from telemetry.admission.readings import HookReading, Limit, RankFit, parse_hook
 from telemetry.errors import ConfigError, printable, shown
 from telemetry.guard.limit import MAX_METRICS_BYTES, LimitTracker
 from telemetry.url import Endpoint, parse_url
@@ -229,7 +229,7 @@ class GaugeBook:
         self._trackers.clear()
         self._left.clear()
 
-    async def _scrape_forever(self, tracker: LimitTracker, hook: HookState) -> None:
+    async def _scrape_forever(self, tracker: LimitTracker, hook: HookReading) -> None:
         """Scrape one hook every poll, on its own: a slow hook costs only its own reading. Supervised: a failure
         that is not the hook's is logged once per kind, counted, and the loop goes on."""
         poll_s = self.settings.poll_s
@@ -239,7 +239,7 @@ class GaugeBook:
                 await self._scrape_once(tracker, hook, client)
                 await asyncio.sleep(max(0.0, poll_s - (time.monotonic() - started)))
 
-    async def _scrape_once(self, tracker: LimitTracker, hook: HookState, client: httpx.AsyncClient) -> None:
+    async def _scrape_once(self, tracker: LimitTracker, hook: HookReading, client: httpx.AsyncClient) -> None:
         try:
             if await scrape(tracker, hook, self.settings.timeout_s, client):
                 self.leave(tracker, f"its hook {hook.target.url} refused the connection")
@@ -253,7 +253,7 @@ class GaugeBook:
             tracker.record(hook, None, f"{kind}: {exc}"[:200])
 
 
-async def scrape(tracker: LimitTracker, hook: HookState, timeout_s: float,
+async def scrape(tracker: LimitTracker, hook: HookReading, timeout_s: float,
                  client: httpx.AsyncClient | None = None) -> bool:
     """One scrape of one hook, recorded in the tracker as `memtel guard` records it: the whole answer within
     `timeout_s`, at most MAX_HOOK_BYTES read (a longer one is dropped unread). True: the hook refused the

@@ -33,7 +33,7 @@ from telemetry.admission import (
     CountFirst,
     Forward,
     Hold,
-    HookState,
+    HookReading,
     Now,
     Prompt,
     PromptSize,
@@ -269,7 +269,7 @@ class Fleet:
             self._wake()
             await asyncio.sleep(max(0.0, self.settings.poll_s - (time.monotonic() - started)))
 
-    async def _scrape(self, member: Member, hook: HookState) -> None:
+    async def _scrape(self, member: Member, hook: HookReading) -> None:
         headers = {"Authorization": hook.target.authorization} if hook.target.authorization else {}
         try:
             answer = await self.client().get(hook.target.url, headers=headers)
