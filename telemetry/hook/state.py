@@ -51,8 +51,8 @@ class SiteStats:
                          self.swap_free_bytes, list(self.delta_buckets), self.delta_sum)
 
 
-class Snapshot(NamedTuple):
-    """A consistent copy of the state for one scrape."""
+class StateCopy(NamedTuple):
+    """A consistent copy of HookState for one scrape."""
 
     sites: dict[str, SiteStats]
     errors: dict[tuple[str, str], int]
@@ -104,9 +104,9 @@ class HookState:
         with self.lock:
             return {name: status for name, status in self.targets.items() if status != INSTALLED}
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> StateCopy:
         with self.lock:
-            return Snapshot({site: s.copy() for site, s in self.sites.items()}, dict(self.errors),
+            return StateCopy({site: s.copy() for site, s in self.sites.items()}, dict(self.errors),
                             dict(self.install_failures), dict(self.log_dropped) if self.log_configured else None,
                             dict(self.targets), self.unresolved_checked, self.rank)
 
@@ -124,4 +124,4 @@ class HookState:
 
 
 __all__ = ["INSTALLED", "NOT_IN_MODEL", "PENDING", "QUEUE_FULL", "RESERVED_DELTA_BUCKETS", "WRITE_FAILED", "HookState",
-           "SiteStats", "Snapshot"]
+           "SiteStats", "StateCopy"]
