@@ -13,9 +13,11 @@ variants interleave in blocks of 50 so load on a shared machine hits both alike.
 
 With --replicas N (N > 1) the guard fronts N such upstreams (`--replica URL=HOOK` each, its /health polled),
 and "direct" goes to the first: the guard's choice of the replica with the most room is in the added time.
+With --previous TREE, a second guard from another checkout (e.g. `git worktree add /tmp/prev HEAD~3`) runs in
+the same blocks as a third variant, so the two guards are measured under the same load.
 
     PYTHONPATH=. python benchmarks/guard_bench.py [--requests 2000] [--streams 40] [--chunks 50] [--replicas N]
-                                                  [--json out.json]
+                                                  [--previous TREE] [--json out.json]
 """
 
 from __future__ import annotations
@@ -93,10 +95,11 @@ def start_upstream(chunks: int, gap_s: float) -> _Server:
     return server
 
 
-def start_guard(upstream_ports: list[int]) -> tuple[subprocess.Popen, int]:
-    """The guard in front of the upstreams (each its own hook too): one as --upstream/--hooks, several as --replica."""
+def start_guard(upstream_ports: list[int], root: Path | None = None) -> tuple[subprocess.Popen, int]:
+    """The guard (of the checkout at `root`: this one by default) in front of the upstreams (each its own hook
+    too): one as --upstream/--hooks, several as --replica."""
     port = free_port()
-    root = Path(__file__).resolve().parents[1]
+    root = root or Path(__file__).resolve().parents[1]
     urls = [f"http://127.0.0.1:{p}" for p in upstream_ports]
     engines = ["--upstream", urls[0], "--hooks", urls[0]] if len(urls) == 1 else \
         [arg for url in urls for arg in ("--replica", f"{url}={url}")]
@@ -159,19 +162,27 @@ def main() -> int:
     parser.add_argument("--gap-ms", type=float, default=2.0, help="time between events")
     parser.add_argument("--prompt-words", type=int, default=100)
     parser.add_argument("--replicas", type=int, default=1, help="upstreams behind the guard (--replica each)")
+    parser.add_argument("--previous", type=Path, default=None, help="another checkout whose guard runs beside")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
     upstreams = [start_upstream(args.chunks, args.gap_ms / 1e3) for _ in range(max(1, args.replicas))]
     upstream = upstreams[0]
     guard, guard_port = start_guard([u.server_address[1] for u in upstreams])
+    guards = [guard]
+    previous_port = None
+    if args.previous is not None:
+        previous, previous_port = start_guard([u.server_address[1] for u in upstreams], args.previous.resolve())
+        guards.append(previous)
     body = json.dumps({"model": "bench", "prompt": "word " * args.prompt_words, "max_tokens": 4}).encode()
     stream_body = json.dumps({"model": "bench", "prompt": "word " * args.prompt_words, "stream": True}).encode()
     try:
         conns = {"direct": http.client.HTTPConnection("127.0.0.1", upstream.server_address[1], timeout=10),
                  "guard": http.client.HTTPConnection("127.0.0.1", guard_port, timeout=10)}
-        times: dict[str, list[float]] = {"direct": [], "guard": []}
-        chunk_delays: dict[str, list[float]] = {"direct": [], "guard": []}
+        if previous_port is not None:
+            conns["previous"] = http.client.HTTPConnection("127.0.0.1", previous_port, timeout=10)
+        times: dict[str, list[float]] = {name: [] for name in conns}
+        chunk_delays: dict[str, list[float]] = {name: [] for name in conns}
         for conn in conns.values():  # warm both paths
             for _ in range(50):
                 one_request(conn, body)
@@ -185,8 +196,9 @@ def main() -> int:
         for conn in conns.values():
             conn.close()
     finally:
-        guard.terminate()
-        guard.wait(10)
+        for process in guards:
+            process.terminate()
+            process.wait(10)
         for server in upstreams:
             server.shutdown()
     result: dict[str, Any] = {
@@ -198,6 +210,12 @@ def main() -> int:
     }
     result["added_request_p50_ms"] = result["request"]["guard"]["p50_ms"] - result["request"]["direct"]["p50_ms"]
     result["added_chunk_p50_ms"] = result["chunk"]["guard"]["p50_ms"] - result["chunk"]["direct"]["p50_ms"]
+    if "previous" in times:
+        result["previous"] = str(args.previous)
+        result["previous_added_request_p50_ms"] = (result["request"]["previous"]["p50_ms"]
+                                                   - result["request"]["direct"]["p50_ms"])
+        result["previous_added_chunk_p50_ms"] = (result["chunk"]["previous"]["p50_ms"]
+                                                 - result["chunk"]["direct"]["p50_ms"])
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
