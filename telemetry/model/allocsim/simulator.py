@@ -516,7 +516,7 @@ class CachingAllocatorSim:
         every whole block at least as old as the average age of those left, until the pass that brings reserved
         bytes to the threshold. Blocks of expandable segments are counted in the average, never freed (as in
         torch 2.11). Which of several equal-size free blocks a request takes (the lowest address) decides
-        the ages, so the device addresses matter here (whatif.RecordedAddresses).
+        the ages, so the device addresses matter here (whatif.TraceAddresses).
         """
         pool = self._large
         for block in self._gc_victims():

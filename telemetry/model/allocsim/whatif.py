@@ -15,7 +15,7 @@ without garbage collection they are `empty_cache()` too (the other cause, a full
 
 Garbage collection frees blocks by age, and a block's age depends on which of several equal-size
 free blocks each request took: the lowest address. The replay under the recorded settings gives
-its segments the trace's own cudaMalloc addresses (RecordedAddresses); the driver model
+its segments the trace's own cudaMalloc addresses (TraceAddresses); the driver model
 (driver_va.py) stands in for the other settings and once the replay has left the trace.
 
 A history is incomplete when it does not begin with an empty allocator: the ring of `max_entries`
@@ -73,7 +73,7 @@ class ReplayPlan:
     segment_addresses: list[tuple[int, int]] = field(default_factory=list)  # (address, bytes) of each cudaMalloc
 
 
-class RecordedAddresses:
+class TraceAddresses:
     """The trace's own cudaMalloc addresses, in order, while the replay asks for the sizes the trace did (and
     none overlaps a segment the replay still holds).
 
@@ -139,7 +139,7 @@ def plan_trace(trace: MemoryTrace, gc_active: bool, config: str | None = None,
     """
     plan = ReplayPlan()
     ops, expected = plan.ops, plan.expected
-    look = (Replayer(config, capacity_bytes, RecordedAddresses(plan.segment_addresses))
+    look = (Replayer(config, capacity_bytes, TraceAddresses(plan.segment_addresses))
             if gc_active and config is not None else None)
     free_code = FREE_COMPLETED
     if not any(code == FREE_COMPLETED for code, _, _ in trace.events):
@@ -282,10 +282,10 @@ def replay_plan(plan: ReplayPlan, config: str, *, capacity_bytes: int | None = N
                 timeline: bool = False, recorded_addresses: bool = False) -> ConfigReplay:
     """Run the plan's ops on a fresh simulator with `config`.
 
-    recorded_addresses: give segments the trace's own cudaMalloc addresses (RecordedAddresses): for the
+    recorded_addresses: give segments the trace's own cudaMalloc addresses (TraceAddresses): for the
     replay under the recorded settings.
     """
-    space = RecordedAddresses(plan.segment_addresses) if recorded_addresses else None
+    space = TraceAddresses(plan.segment_addresses) if recorded_addresses else None
     replayer = Replayer(config, capacity_bytes, space)
     sim = replayer.sim
     calls: list[tuple[str, int, int]] = []
@@ -360,7 +360,7 @@ def whatif(trace: MemoryTrace, configs: list[str], *, capacity_bytes: int | None
     for config in configs:
         if config not in replays:
             # the trace's addresses while this setting makes the same cudaMallocs: the same driver gives the same
-            # addresses to the same calls, and equal-size blocks are taken by address (RecordedAddresses)
+            # addresses to the same calls, and equal-size blocks are taken by address (TraceAddresses)
             replays[config] = replay_plan(plan, config, capacity_bytes=capacity_bytes, timeline=timeline,
                                           recorded_addresses=True)
     notes = list(trace.notes)
