@@ -387,3 +387,25 @@ def test_why_blind_names_each_replica_only_when_there_are_several():
     two = make_proxy(2)
     assert two._why_blind() == ("http://127.0.0.1:10: http://127.0.0.1:20/metrics: no answer yet; "
                                 "http://127.0.0.1:11: http://127.0.0.1:21/metrics: no answer yet")
+
+
+def test_a_hook_without_the_gauge_is_said_at_start_in_health_and_in_a_metric_naming_the_variable(start_guard, caplog):
+    bare = StubHook("memtel_hook_calls_total 3\n")   # the hook answers; its engine runs without the forecast
+    try:
+        with caplog.at_level(logging.ERROR, logger="memtel.guard"):
+            guard = start_guard([bare.url], ready=lambda g: g.sample("memtel_guard_hooks_without_gauge") == 1)
+            guard.wait_for(lambda: bare.scrapes >= 3)
+        said = [r.getMessage() for r in caplog.records if "exports no" in r.getMessage()]
+        assert len(said) == 1 and "MEMTEL_FORECAST_TOKENS" in said[0] and bare.url in said[0]   # once, not per scrape
+        status, headers, _ = request(guard.url, "GET", "/health")
+        assert status == 200   # the engine's own answer: a load balancer keeps a serving engine
+        assert "MEMTEL_FORECAST_TOKENS" in headers["x-memtel-guard-blind"]
+        assert request(guard.url, "POST", "/v1/completions", {"prompt": "w " * 10})[0] == 200   # --when-blind admit
+    finally:
+        bare.stop()
+
+
+def test_health_carries_no_blind_header_while_the_hooks_export_the_gauge(guard):
+    status, headers, _ = request(guard.url, "GET", "/health")
+    assert status == 200 and "x-memtel-guard-blind" not in headers
+    assert guard.sample("memtel_guard_hooks_without_gauge") == 0
