@@ -79,10 +79,10 @@ ENGINE_CUDA_GRAPH_POOL = gauge(
     "Bytes the caching allocator holds in private pools (CUDA graphs) other than the KV cache's and the weights', "
     "read after warm-up.", _ENGINE, source="engine")
 ENGINE_ALLOCATOR_RESERVED = gauge(
-    "memtel_engine_allocator_reserved_bytes",
+    "memtel_engine_allocator_reserved_at_scrape_bytes",
     "The caching allocator's reserved bytes at scrape time (memtel_allocator_reserved_bytes is after the last hooked "
     "call).", _ENGINE, source="engine")
-ENGINE_ALLOCATOR_ALLOCATED = gauge("memtel_engine_allocator_allocated_bytes",
+ENGINE_ALLOCATOR_ALLOCATED = gauge("memtel_engine_allocator_allocated_at_scrape_bytes",
                                    "The caching allocator's allocated bytes at scrape time.", _ENGINE, source="engine")
 ENGINE_DEVICE_USED = gauge(
     "memtel_engine_device_used_bytes",

@@ -69,8 +69,9 @@ def ledger(registry: CollectorRegistry, node: str) -> ProcessLedger:
     return ProcessLedger.from_values(
         rank="0", pid=labels["pid"], weights=value("memtel_engine_weights_bytes"),
         kv_cache=value("memtel_engine_kv_cache_bytes"), cuda_graph_pool=value("memtel_engine_cuda_graph_pool_bytes"),
-        reserved=value("memtel_engine_allocator_reserved_bytes"),
-        allocated=value("memtel_engine_allocator_allocated_bytes"), nvml_process_bytes=nvml_process_bytes(os.getpid()),
+        reserved=value("memtel_engine_allocator_reserved_at_scrape_bytes"),
+        allocated=value("memtel_engine_allocator_allocated_at_scrape_bytes"),
+        nvml_process_bytes=nvml_process_bytes(os.getpid()),
         device_used_bytes=value("memtel_engine_device_used_bytes"), host_rss=value("memtel_engine_resident_bytes"))
 
 

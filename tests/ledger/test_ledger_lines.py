@@ -102,7 +102,8 @@ def test_the_recording_rules_give_the_same_lines_as_the_ledger(tmp_path):
     # a process: hook series (rank, pid) and NVML's figure for its pid
     hook = 'job="memtel-hook", instance="gb10-a:9200", node="gb10-a", rank="0", pid="0"'
     engine = {"memtel_engine_weights_bytes": 40 << 30, "memtel_engine_kv_cache_bytes": 30 << 30,
-              "memtel_engine_allocator_reserved_bytes": 90 << 30, "memtel_engine_allocator_allocated_bytes": 80 << 30}
+              "memtel_engine_allocator_reserved_at_scrape_bytes": 90 << 30,
+              "memtel_engine_allocator_allocated_at_scrape_bytes": 80 << 30}
     inputs += [{"series": f"{name}{{{hook}}}", "values": f"{value}x3"} for name, value in engine.items()]
     process = ProcessLedger.from_values(rank="0", pid="0", weights=40 << 30, kv_cache=30 << 30, cuda_graph_pool=None,
                                         reserved=90 << 30, allocated=80 << 30, nvml_process_bytes=gpu[0],
@@ -149,7 +150,7 @@ def test_the_hook_reads_weights_and_kv_cache_from_the_engines_tensors():
         assert registry.get_sample_value("memtel_engine_kv_cache_bytes", labels) == want["kv_cache_bytes"]
         assert registry.get_sample_value("memtel_engine_resident_bytes", labels) > 0
         # no CUDA here: the allocator and device lines are absent, not 0
-        assert registry.get_sample_value("memtel_engine_allocator_reserved_bytes", labels) is None
+        assert registry.get_sample_value("memtel_engine_allocator_reserved_at_scrape_bytes", labels) is None
     finally:
         handle.uninstall()
 
