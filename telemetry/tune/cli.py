@@ -250,7 +250,7 @@ def format_result(result: Any, engine: Any, source: str, limit_text: str, utiliz
         out.append(f"history: {problem.history.source}, {len(problem.history.ops):,} ops replayed under each "
                    "setting from the process's start")
     out += [f"left out: {note}" for note in result.left_out]
-    out += [f"note: {note}" for note in state.notes]
+    out += [f"note: {note}" for note in (*state.notes, *result.notes)]
     out.append("not searched: values outside the space's lists, max_non_split_rounding_mb, "
                "per_process_memory_fraction and the backend (kept as the process has them), private pools, CUDA "
                "graphs, the model's own activations of a larger chunk, the KV cache per token; "
@@ -426,7 +426,7 @@ def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Pa
                           for i, o in enumerate(result.ranked)],
                "process": result.process.as_json(),
                "pruned": len(result.pruned), "left_out": list(result.left_out), "lines": lines,
-               "utilization": utilization, "notes": list(state.notes), "cap": cap,
+               "utilization": utilization, "notes": [*state.notes, *result.notes], "cap": cap,
                "history_ops": None if history is None else len(history.ops),
                "hook_gauge": None if hook is None else hook["max_fit_tokens"]}
         if allocator is not None:

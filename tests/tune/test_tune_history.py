@@ -208,3 +208,10 @@ def test_a_torch_history_with_empty_cache_calls_replays_them() -> None:
     trace = load_trace(path)
     assert trace.final is not None
     assert replay(history, trace.effective_conf).counters == trace.final.counters
+
+
+def test_the_cli_says_when_the_history_does_not_rebuild_todays_state(tmp_path: Path, base: dict) -> None:
+    ops = [*json.loads((TRUTH / base["history"]).read_text()), ["e"]]   # an empty_cache() the process never ran
+    code, out, err = _cli(tmp_path, base, ops)
+    assert code == 0, err
+    assert any("the snapshot 12,259,950,592" in note for note in json.loads(out)["notes"])
