@@ -19,6 +19,7 @@ import asyncio
 import logging
 import signal
 
+from telemetry import hook_env
 from telemetry.argtypes import add_log_level, bounded_float, bounded_int
 from telemetry.exporter import MetricsServer, format_listen, listen_failed, parse_listen
 from telemetry.exporter.metrics import ExporterCollector
@@ -58,7 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "each holds its body, up to 64 MiB)")
     parser.add_argument("--reserve-mb", type=bounded_float(0, MAX_RESERVE_MB), default=0.0,
                         help="keep this much more of each rank's budget free (default 0: the hook's budget already "
-                             "leaves MEMTEL_GUARD_RESERVE_MB)")
+                             f"leaves {hook_env.GUARD_RESERVE_MB})")
     parser.add_argument("--stale-s", type=bounded_float(0, 86400, above_minimum=True), default=DEFAULT_STALE_S,
                         help=f"a hook's forecast older than this is not used (default {DEFAULT_STALE_S:g})")
     parser.add_argument("--when-blind", choices=WHEN_BLIND, default="admit",

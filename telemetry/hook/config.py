@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from telemetry import hook_env
 from telemetry.errors import ConfigError
 from telemetry.hook.forecast.settings import DEFAULT_INTERVAL_S, check_interval, check_tokens
 from telemetry.hook.targets import parse_target, parse_targets
@@ -61,7 +62,7 @@ def parse_port(name: str, text: str) -> int | None:
     # str.isdigit() alone accepts other scripts' digits ("９２００", "٩٢٠٠"), which int() then reads.
     if not (value.isascii() and value.isdigit() and 0 < int(value) < 65536):
         raise ConfigError(f"{name}={text!r} is not a port: expected an integer in 1..65535 written in ASCII "
-                          'digits (each process listens on MEMTEL_PORT + its local rank) or "off"')
+                          f'digits (each process listens on {hook_env.PORT} + its local rank) or "off"')
     return int(value)
 
 
@@ -116,16 +117,16 @@ class HookConfig:
 
     # "package.module:function" / "package.module:Class.method" names; presets expanded (a comma-separated
     # string or a list is accepted and normalised).
-    targets: tuple[str, ...] = field(metadata=env("MEMTEL_TARGETS", parse_target_list))
+    targets: tuple[str, ...] = field(metadata=env(hook_env.TARGETS, parse_target_list))
     # The exporter listens on port + local rank once the process records (None: no exporter).
-    port: int | None = field(default=DEFAULT_PORT, metadata=env("MEMTEL_PORT", parse_port))
-    addr: str = field(default="0.0.0.0", metadata=env("MEMTEL_ADDR", parse_text))
+    port: int | None = field(default=DEFAULT_PORT, metadata=env(hook_env.PORT, parse_port))
+    addr: str = field(default="0.0.0.0", metadata=env(hook_env.ADDR, parse_text))
     # The exporter toolkit's web config file (TLS, basic auth) for the exporter; None: plain HTTP.
-    web_config: str | None = field(default=None, metadata=env("MEMTEL_WEB_CONFIG", parse_path))
+    web_config: str | None = field(default=None, metadata=env(hook_env.WEB_CONFIG, parse_path))
     # Directory of the per-call JSONL log (None: no log); created 0700 if missing, refused if unsafe.
-    log_dir: str | None = field(default=None, metadata=env("MEMTEL_LOG_DIR", parse_path))
+    log_dir: str | None = field(default=None, metadata=env(hook_env.LOG_DIR, parse_path))
     # Add [rows, cols] of the first tensor argument to each record.
-    record_shape: bool = field(default=False, metadata=env("MEMTEL_RECORD_SHAPE", parse_flag))
+    record_shape: bool = field(default=False, metadata=env(hook_env.RECORD_SHAPE, parse_flag))
     flush_interval_s: float = 0.5   # the log's writer wakes at least this often
     flush_records: int = 4096       # and when this many records wait
     max_queue: int = 65536          # records waiting for the writer, at most; more are dropped and counted
@@ -143,12 +144,12 @@ class HookConfig:
     # "100000,200000" is accepted), seconds between forecasts, and the indexer workload where the engine does
     # not give it (MEMTEL_FORECAST_SHAPE's text or a ForecastWorkload; None: the engine's or the reference).
     forecast_tokens: tuple[int, ...] = field(
-        default=(), metadata=env("MEMTEL_FORECAST_TOKENS", parse_forecast_tokens, turns_off=FORECAST))
+        default=(), metadata=env(hook_env.FORECAST_TOKENS, parse_forecast_tokens, turns_off=FORECAST))
     forecast_interval_s: float = field(
         default=DEFAULT_INTERVAL_S,
-        metadata=env("MEMTEL_FORECAST_INTERVAL_S", parse_forecast_interval, turns_off=FORECAST))
+        metadata=env(hook_env.FORECAST_INTERVAL_S, parse_forecast_interval, turns_off=FORECAST))
     forecast_shape: ForecastWorkload | None = field(
-        default=None, metadata=env("MEMTEL_FORECAST_SHAPE", parse_forecast_shape, turns_off=FORECAST))
+        default=None, metadata=env(hook_env.FORECAST_SHAPE, parse_forecast_shape, turns_off=FORECAST))
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -190,7 +191,7 @@ class HookConfig:
             from telemetry.hook.forecast.workload import ForecastWorkload
 
             if not isinstance(self.forecast_shape, ForecastWorkload):
-                raise ConfigError("forecast_shape must be MEMTEL_FORECAST_SHAPE's key=value text or a "
+                raise ConfigError(f"forecast_shape must be {hook_env.FORECAST_SHAPE}'s key=value text or a "
                                   f"ForecastWorkload, got {self.forecast_shape!r}")
 
     @classmethod
@@ -201,15 +202,15 @@ class HookConfig:
         the environment does not name (the vLLM plugin's `model_loaded`). A bad value raises ConfigError
         naming the variable and what it expects.
         """
-        targets = environ.get("MEMTEL_TARGETS", "")
-        enable = environ.get("MEMTEL_ENABLE", "")
-        if not (parse_flag("MEMTEL_ENABLE", enable) if enable.strip() else bool(targets.strip())):
+        targets = environ.get(hook_env.TARGETS, "")
+        enable = environ.get(hook_env.ENABLE, "")
+        if not (parse_flag(hook_env.ENABLE, enable) if enable.strip() else bool(targets.strip())):
             return None
         if not targets.strip():
-            raise ConfigError("MEMTEL_ENABLE is on but MEMTEL_TARGETS is empty: expected comma-separated "
+            raise ConfigError(f"{hook_env.ENABLE} is on but {hook_env.TARGETS} is empty: expected comma-separated "
                               '"package.module:function" targets or preset names')
         values = _env_values(environ, fields(cls))
-        if "forecast_tokens" not in values and not environ.get("MEMTEL_FORECAST_TOKENS", "").strip() \
+        if "forecast_tokens" not in values and not environ.get(hook_env.FORECAST_TOKENS, "").strip() \
                 and "forecast_tokens" not in defaults and _known_engine(values.get("targets", ())):
             values["forecast_tokens"] = DEFAULT_FORECAST_TOKENS   # a known engine: the forecast on by default
         return cls(**{**defaults, **values})
@@ -219,7 +220,7 @@ class HookConfig:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "targets"}
 
 
-ENV_VARIABLES = ("MEMTEL_ENABLE", *(f.metadata["env"] for f in fields(HookConfig) if "env" in f.metadata))
+ENV_VARIABLES = (hook_env.ENABLE, *(f.metadata["env"] for f in fields(HookConfig) if "env" in f.metadata))
 
 
 def _env_values(environ: Mapping[str, str], settings: Iterable[Any]) -> dict[str, Any]:
@@ -251,7 +252,7 @@ def forecast_options(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     log line and the forecast off."""
     settings = [f for f in fields(HookConfig) if f.metadata.get("turns_off") == FORECAST]
     values = _env_values(environ, settings)
-    if "forecast_tokens" not in values and not environ.get("MEMTEL_FORECAST_TOKENS", "").strip():
+    if "forecast_tokens" not in values and not environ.get(hook_env.FORECAST_TOKENS, "").strip():
         values["forecast_tokens"] = DEFAULT_FORECAST_TOKENS   # the lab is a known engine: on by default
     return values if values.get("forecast_tokens") else {}
 

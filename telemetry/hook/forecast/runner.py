@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from telemetry import hook_env
 from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import ConfigError
 from telemetry.hook import allocator
@@ -203,7 +204,7 @@ class Forecaster:
         from telemetry.engines.registry import NoIndexer
         from telemetry.hook.forecast.workload import engine_workload
 
-        fallback = "MEMTEL_FORECAST_SHAPE" if self.config_workload else "the reference workload"
+        fallback = hook_env.FORECAST_SHAPE if self.config_workload else "the reference workload"
         readers = [engine for engine in ENGINES if engine.workload is not None and engine.owns is not None]
         engine = next((engine for engine in readers if engine.owns is not None and engine.owns(worker)), None)
         if engine is None:   # another engine: nothing to read from it
@@ -252,7 +253,7 @@ class Forecaster:
             return f"off ({self._no_indexer})"
         if self.waiting_for_model():
             return f"{head}, once the model is loaded (the workload is read from the engine then)"
-        return f"{head}, the reference workload (MEMTEL_FORECAST_SHAPE unset)"
+        return f"{head}, the reference workload ({hook_env.FORECAST_SHAPE} unset)"
 
     def _budget_rule(self) -> str:
         from telemetry.fit_budget import budget_rule
