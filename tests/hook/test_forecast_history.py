@@ -186,3 +186,34 @@ def test_a_stopped_forecast_is_no_longer_served() -> None:
     finally:
         forecaster.stop()
     assert published._provider is None and published.published() is None
+
+
+def test_a_recorded_cuda_history_is_served_with_its_empty_cache_calls() -> None:
+    """What /snapshot serves under MEMTEL_HOOK_HISTORY=1 (torch's recorder), from a real H200 trace with two
+    empty_cache() calls under a GC threshold: replayed under its settings, it ends where the process did."""
+    from pathlib import Path
+
+    from telemetry.hook.forecast.history import torch_history
+    from telemetry.model.allocsim.snapshot_file import read_snapshot_file
+    from telemetry.model.allocsim.trace import load_trace
+
+    path = (Path(__file__).resolve().parents[1] / "fixtures" / "allocator-gc-traces" / "h200-torch2.11"
+            / "gc-a-gc0.5-x1.11-conf-ec2.5.pickle.gz")
+    doc = read_snapshot_file(path, 2**30, 10**7)
+
+    class Memory:
+        @staticmethod
+        def _snapshot() -> object:
+            return doc
+
+    class Cuda:
+        memory = Memory
+
+    class Torch:
+        cuda = Cuda
+
+    ops, lost = torch_history(Torch, 0)
+    assert lost is None and ops is not None and ["e"] in ops
+    trace = load_trace(path)
+    assert trace.final is not None
+    assert replay(history_from_ops(ops), trace.effective_conf).counters == trace.final.counters

@@ -99,6 +99,16 @@ class AllocationHistory:
                 self._episode_ended(ended[0])
             self._bound()
 
+    def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache()`: kept as ["e"]; no episode spans it (the state it leaves is another)."""
+        with self._lock:
+            if self.lost is not None:
+                return
+            self._ops.append(["e"])
+            self._open.clear()
+            self._ended = {}
+            self._bound()
+
     def ops(self) -> list[list[int | str]] | None:
         """A copy of the ops (None once given up)."""
         with self._lock:
@@ -185,9 +195,43 @@ def torch_history(torch: Any, device: int, max_ops: int = MAX_HISTORY_OPS) -> tu
     traces = doc.get("device_traces") or []
     if device >= len(traces) or not traces[device]:
         return None, f"no allocation history recorded (set {HISTORY_ENV}=1 before the engine starts)"
-    history = from_torch_trace(traces[device], max_ops)
+    history = from_recorded(doc, device, max_ops)
     return history.ops(), history.lost
 
 
-__all__ = ["HISTORY_ENV", "MAX_HISTORY_OPS", "AllocationHistory", "from_torch_trace", "keep_history", "kept_history",
-           "recording_asked", "start_torch_recording", "torch_history"]
+def from_recorded(doc: Mapping[str, Any], device: int, max_ops: int = MAX_HISTORY_OPS) -> AllocationHistory:
+    """The compacted history of a `torch.cuda.memory._snapshot()` document's device: its allocations and frees, and
+    its `empty_cache()` calls read from the device frees no allocation caused, as `memtel whatif` reads them
+    (telemetry/model/allocsim/whatif.py `plan_trace`). A trace the replay does not model (several streams,
+    private pools, a ring that lost its start) gives a history given up, with why."""
+    from telemetry.model.allocsim.config import parse_alloc_conf
+    from telemetry.model.allocsim.trace import TraceError, read_trace
+    from telemetry.model.allocsim.whatif import OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, plan_trace
+
+    history = AllocationHistory(max_ops)
+    try:
+        trace = read_trace(doc, device=device, source="the allocator's trace", max_objects=4 * max_ops)
+    except TraceError as exc:
+        history.lost = str(exc)
+        return history
+    effective = parse_alloc_conf(trace.effective_conf)
+    collects = effective.garbage_collection_threshold > 0 and effective.per_process_memory_fraction is not None
+    plan = plan_trace(trace, collects, trace.effective_conf)
+    if plan.unknown_frees or plan.unknown_segment_frees:
+        history.lost = ("the allocator's trace frees what it never allocated: it lost its start (recording began "
+                        f"late, or its ring of {TORCH_MAX_ENTRIES:,} entries wrapped)")
+        return history
+    for code, addr, size in plan.ops:
+        if code == OP_ALLOC:
+            history.alloc(addr, size)
+        elif code == OP_FREE:
+            history.free(addr)
+        elif code == OP_EMPTY_CACHE:
+            history.empty_cache()
+        if history.lost is not None:
+            break
+    return history
+
+
+__all__ = ["HISTORY_ENV", "MAX_HISTORY_OPS", "AllocationHistory", "from_recorded", "from_torch_trace", "keep_history",
+           "kept_history", "recording_asked", "start_torch_recording", "torch_history"]
