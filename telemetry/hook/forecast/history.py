@@ -17,7 +17,8 @@ Cost: O(log n) per op (n live allocations), plus the episode's comparison when i
 allocator source that calls `alloc`/`free` and hands the history to `keep_history` (the program's allocator:
 `set_allocator_source`), and on CUDA torch's own recorder (`torch.cuda.memory._record_memory_history`,
 started with `start_torch_recording()` where MEMTEL_HOOK_HISTORY=1; its ring is compacted here when
-/snapshot is asked, `from_torch_trace()`). The CUDA side's cost per allocation is not measured yet
+/snapshot is asked, `from_recorded()`, its `empty_cache()` calls kept as ["e"]). The CUDA side's cost per
+allocation is not measured yet
 (benchmarks/hook_history_gpu.py; docs/lab.md).
 """
 
