@@ -100,6 +100,9 @@ class Renderer:
                 line = f"{prefix}{text}\n"
             else:
                 line = f"{sample_name} {text}\n"
+            if sample_name in (shown, name):  # most samples: no OpenMetrics-only suffix to look for
+                lines.append(line)
+                continue
             for tail in _OPENMETRICS_ONLY:
                 if sample_name == name + tail:
                     later.setdefault(tail, []).append(line)
