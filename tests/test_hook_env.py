@@ -83,3 +83,9 @@ def test_every_hook_variable_is_named_once_and_is_a_memtel_variable() -> None:
     assert all(_VARIABLE.fullmatch(name) for name in hook_env.HOOK_VARIABLES)
     public = {name for name in hook_env.__all__ if name not in ("HOOK_VARIABLES", "FORECAST_PREFIX")}
     assert {getattr(hook_env, name) for name in public} == set(hook_env.HOOK_VARIABLES)
+
+
+def test_every_hook_variable_is_documented() -> None:
+    docs = "\n".join(page.read_text(encoding="utf-8") for page in sorted((ROOT / "docs").glob("*.md")))
+    missing = [name for name in hook_env.HOOK_VARIABLES if f"`{name}" not in docs]
+    assert not missing, f"hook variables no page of docs/ names (in backticks): {', '.join(missing)}"
