@@ -25,11 +25,13 @@ def reason_phrase(status: int) -> str:
 
 
 class BadRequest(Exception):
-    """A request that cannot be served; `status` is the response code. The connection is closed after it."""
+    """A request that cannot be served; `status` is the response code. The connection is closed after it.
+    `head_only`: the request was a HEAD, so the answer has no body (h11 refuses to send one)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, head_only: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.head_only = head_only
 
 
 @dataclass(frozen=True)
@@ -54,14 +56,16 @@ def next_request(http: h11.Connection) -> Request | None:
         event = http.next_event()
         if not isinstance(event, h11.Request):
             return None   # NEED_DATA (or PAUSED: an answer is still being written)
+        head_only = event.method == b"HEAD"
         version = event.http_version.decode("ascii")
         if version not in ("1.1", "1.0"):
-            raise BadRequest(505, f"HTTP/{version} is not supported; expected HTTP/1.1 or HTTP/1.0")
+            raise BadRequest(505, f"HTTP/{version} is not supported; expected HTTP/1.1 or HTTP/1.0",
+                             head_only=head_only)
         authorization: list[str] = []
         for raw_name, value in event.headers.raw_items():
             name = raw_name.lower()
             if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
-                raise BadRequest(413, "request bodies are not accepted")
+                raise BadRequest(413, "request bodies are not accepted", head_only=head_only)
             if name == b"authorization":
                 authorization.append(value.decode("latin-1"))
         end = http.next_event()   # a request without a body ends with its head

@@ -575,7 +575,7 @@ class MetricsServer:
         if isinstance(request, BadRequest):
             self._count("bad_requests")
             data = frame_response(http, request.status, f"{request}\n".encode(), _TEXT, close=True,
-                                  extra_headers=headers)
+                                  head_only=request.head_only, extra_headers=headers)
             return data, False
         close = self._stopping
         head_only = request.method == "HEAD"

@@ -57,6 +57,20 @@ def test_what_h11_refuses_or_an_exporter_does_not_serve_is_a_status_and_a_close(
     assert not keeps_alive(http)
 
 
+@pytest.mark.parametrize("request_bytes", [b"HEAD /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello",
+                                           b"HEAD /metrics HTTP/2.0\r\n\r\n"])
+def test_a_refused_head_request_is_answered_without_a_body(request_bytes):
+    """h11 will not send a body after HEAD: the refusal says so, and its answer is the head alone."""
+    http = new_connection(256)
+    http.receive_data(request_bytes)
+    with pytest.raises(BadRequest) as refused:
+        next_request(http)
+    assert refused.value.head_only
+    wire = frame_response(http, refused.value.status, b"refused\n", "text/plain", close=True,
+                          head_only=refused.value.head_only)
+    assert b"Content-Length: 8\r\n" in wire and wire.endswith(b"\r\n\r\n")
+
+
 def test_an_absolute_form_target_is_served_by_its_path():
     http = new_connection(16384)
     http.receive_data(b"GET http://x:9101/metrics?q HTTP/1.1\r\nHost: x\r\n\r\n")

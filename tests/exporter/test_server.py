@@ -106,6 +106,7 @@ def test_connection_close_http10_and_pipelining(registry):
     (b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", b"405"),
     (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello", b"413"),
     (b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", b"413"),
+    (b"HEAD /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello", b"413"),  # answered without a body
     (b"GET /metrics HTTP/1.1\r\n\r\n", b"400"),  # HTTP/1.1 without Host (RFC 9112 section 3.2)
     (b"GET /metrics HTTP/2.0\r\n\r\n", b"505"),
     (b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n", b"431"),
