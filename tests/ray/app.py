@@ -122,8 +122,8 @@ def engines_of(text: str) -> list[tuple[str, str]]:
 
 
 def application(name: str, slots: str, engines: list[tuple[str, str]], memtel: bool) -> Any:
-    if memtel:  # the router as docs/ray.md configures it; stale_s short so that a dead hook ages out in the test
-        config = router_config(STATS_PERIOD_S, queue_s=QUEUE_S, stale_s=3.0)
+    if memtel:  # the router as docs/ray.md configures it (stale_s 15: a dead engine leaves by its /health, not by age)
+        config = router_config(STATS_PERIOD_S, queue_s=QUEUE_S)
     else:
         config = RequestRouterConfig(request_routing_stats_period_s=STATS_PERIOD_S,
                                      request_routing_stats_timeout_s=STATS_PERIOD_S * 2)

@@ -2,9 +2,10 @@
 OpenAI Python client: prompts go where they fit, wait when none has room, and a prompt no replica can ever take is a
 `BadRequestError`; the same burst through Ray's default router runs an engine out of memory.
 
-One Ray cluster and four lab nodes per module (tests/ray/stack.py; about 20 s to start here, 10 s to stop), so the
-module is `slow`. The router reads each hook every second (`stale_s` 3 in tests/ray/app.py): after a hook's gauge
-moves, a test waits two of those reads (`router_sees`) before it sends, as a client of a real fleet would meet it.
+One Ray cluster and four lab nodes per module (tests/ray/stack.py; 14 to 28 s to start here, 3 to 4 s to stop), so
+the module is `slow`. The router reads each hook and engine every second (its default `stale_s`, 15, over 3, capped
+at 1 s: fleet.RouterSettings.poll_s): after a hook's gauge moves, a test waits two of those reads (`router_sees`)
+before it sends, as a client of a real fleet would meet it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.ray.stack import RAY_PYTHON, RayStack, burst
 
 pytestmark = pytest.mark.slow
 
-ROUTER_POLL_S = 1.0  # the router's scrape period with stale_s 3 (fleet.RouterSettings.poll_s)
+ROUTER_POLL_S = 1.0  # the router's read period (fleet.RouterSettings.poll_s)
 LONG = 300_000  # fits an idle node (about 401k tokens) alone; not beside the tenant below (163k on a fresh node,
 # 254k on one whose cache holds two such prefills: the tenant then gets 0.56 GiB), nor beside another
 TENANT_GIB = 0.9  # leaves about 163k tokens on a 1.5 GiB node
@@ -141,8 +142,12 @@ def test_the_same_burst_through_rays_default_router_runs_an_engine_out_of_memory
 
 def test_a_replica_whose_engine_dies_leaves_the_routing(stack: RayStack) -> None:
     fresh(stack, ("memtel", 0))
+    tenants(stack, [("memtel", 0)], TENANT_GIB)  # the engine that dies has the most room when it dies
+    before = burst(stack.url("memtel"), 1000, 2, seed=70)  # the router has read it alive
+    assert {o[1] for o in before} == {stack.engine_url("memtel", 1)}, before
     stack.nodes[("memtel", 1)].stop(grace_s=0.0)
-    time.sleep(2 * ROUTER_POLL_S)  # the router reads each engine's /health every poll: it leaves the pool
+    time.sleep(2 * ROUTER_POLL_S)  # the router reads each engine's /health every poll: it leaves the pool (its hook's
+    # last forecast stays fresh for stale_s, 15 s: without the /health read, prompts would still go there)
     outcomes = burst(stack.url("memtel"), 1000, 4, seed=80)
     assert [o[0] for o in outcomes] == ["ok"] * 4, outcomes
     assert {o[1] for o in outcomes} == {stack.engine_url("memtel", 0)}
