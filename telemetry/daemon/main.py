@@ -37,6 +37,7 @@ from telemetry.daemon.config import (
 from telemetry.daemon.registry import BackgroundCollector, Collector, DaemonCollectors
 from telemetry.daemon.settings import DaemonConfig
 from telemetry.errors import INTERRUPTED, ConfigError
+from telemetry.scrape.ports import DAEMON_PORT
 
 if TYPE_CHECKING:
     from telemetry.daemon.protect import Protect
@@ -50,7 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--listen", metavar="HOST:PORT",
         help=f"where to serve /metrics and /healthz (default {DEFAULT_LISTEN}: every interface, next to "
-             "node_exporter's 9100; 127.0.0.1:9101 keeps it on this machine; [::1]:9101 for IPv6)",
+             f"node_exporter's 9100; 127.0.0.1:{DAEMON_PORT} keeps it on this machine; [::1]:{DAEMON_PORT} for IPv6)",
     )
     parser.add_argument("--web-config", metavar="FILE",
                         help="TLS and basic auth, in the Prometheus exporter toolkit's web config format "
