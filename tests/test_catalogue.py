@@ -59,9 +59,10 @@ _NOT_METRICS = {
     "memtel_bench_target": "the module the hook benchmark hooks",
     "memtel_default": "an arm of benchmarks/daemon_bench.py",
     "memtel_same_sources": "an arm of benchmarks/daemon_bench.py",
-    "memtel_hooks": "a key of a LiteLLM deployment's litellm_params (telemetry/litellm)",
     "memtel_deployment": "a key of a LiteLLM request's metadata (telemetry/litellm)",
     "memtel_litellm_receive": "the name of a context variable in telemetry/litellm/client.py",
+    "memtel_litellm_endings": "the name of a context variable in telemetry/litellm/client.py",
+    "memtel_refusal": "an attribute the LiteLLM gate sets on its own refusals (telemetry/litellm/pre_call.py)",
 }
 
 

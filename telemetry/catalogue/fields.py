@@ -58,6 +58,9 @@ GUARD_ERROR_TYPES = (GUARD_WOULD_NOT_FIT, GUARD_BLIND, GUARD_BAD_REQUEST, GUARD_
 
 OTHER_NAMES: frozenset[str] = frozenset({
     "memtel_timeline",  # the outcome line of a timeline file (telemetry/alerts/timeline.py)
+    "memtel_hold",  # the LiteLLM gate's key of a hold in a request's metadata (telemetry/litellm/gate.py)
+    "memtel_hooks",  # a LiteLLM deployment's key, a Ray replica's routing-stats key: the hooks' URLs
+    "memtel_upstream",  # a Ray replica's routing-stats key: the engine it fronts (telemetry/ray)
     *GUARD_ERROR_TYPES,
 })
 """memtel identifiers that docs name and that are no metric (error types in answers, ...), so the name check

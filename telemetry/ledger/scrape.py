@@ -147,14 +147,21 @@ KERNEL_ERRORS = {"nv_err_no_memory": catalogue.KERNEL_NV_ERR_NO_MEMORY[1], "xid"
 # of the hook's and the daemon's shared HTTP server, the guard and the lab.
 DAEMON_FAMILIES = tuple(entry for entry in FAMILIES.values()
                         if entry.source not in ("hook", "engine", "forecast", "exporter", "guard", "lab"))
-NOT_A_DAEMON = f"not a memtel daemon (no memtel_node_* series; the daemon's port is {DAEMON_PORT})"  # fits top's 80
+NOT_A_DAEMON = f"not a memtel daemon (none of its node series; the daemon's port is {DAEMON_PORT})"  # fits top's 80
+
+
+def _daemon_answered(scrape_: Scrape) -> bool:
+    """Whether any family only a daemon exports is in the answer: the catalogue's, and the ones the view reads
+    (looked up now, so a renamed entry is followed)."""
+    read = (catalogue.MEM_TOTAL, catalogue.MEM_AVAILABLE, catalogue.UNIFIED_HEADROOM, catalogue.MEM_FREE_CONTIGUOUS)
+    return any(scrape_.values(entry) for entry in (*read, *DAEMON_FAMILIES))
 
 
 def node_view(name: str, scrape_: Scrape) -> NodeView:
     """A daemon's answer as a node; one that answers without any daemon series (another exporter, a hook, a web
     server answering 200) is an error, never a node of unknowns."""
     error = scrape_.error
-    if error is None and not any(scrape_.values(entry) for entry in DAEMON_FAMILIES):
+    if error is None and not _daemon_answered(scrape_):
         error = NOT_A_DAEMON
     view = NodeView(name, scrape_.url, error=error)
     if error is not None:

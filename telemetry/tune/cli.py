@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from telemetry import hook_env
+from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import ConfigError
 from telemetry.model.indexer.shape import MIB, budget_bytes_from_mib
 
@@ -435,7 +436,7 @@ def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Pa
     else:
         text = format_result(result, engine, where, limit_text, utilization, lines)
         if hook is not None:
-            text += (f"\nthe hook's gauge (memtel_forecast_max_prefill_tokens) at its last fit: "
+            text += (f"\nthe hook's gauge ({catalogue.FORECAST_MAX_PREFILL_TOKENS.series}) at its last fit: "
                      f"{hook['max_fit_tokens']:,} tokens; workload {hook['shape'].layers} layers, chunk "
                      f"{hook['shape'].chunk:,}, budget {hook['shape'].logits_budget_mib:g} MiB, "
                      f"{hook['mode']}, rows x {hook['pattern'].row_scale:g}; settings "

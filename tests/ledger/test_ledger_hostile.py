@@ -191,7 +191,7 @@ def test_a_port_that_is_not_a_memtel_daemon_exits_1_with_one_line_saying_so(serv
     hook = serve(answer(b'memtel_hook_calls_total{rank="0",site="s"} 3\n'))  # a hook that answers: exit 0 by itself
     code, out, _ = run(capsys, *command, "--daemon", other, "--hooks", hook)
     assert code == 1
-    assert out.count("  not a memtel daemon (no memtel_node_* series; the daemon's port is 9101)\n") == 1, out
+    assert out.count("  not a memtel daemon (none of its node series; the daemon's port is 9101)\n") == 1, out
 
 
 def test_json_gives_rank_and_pid_as_numbers_and_null_for_a_label_that_is_none(serve, capsys):

@@ -16,10 +16,13 @@ def test_the_servers_take_their_defaults_from_the_table() -> None:
 
     assert DEFAULT_LISTEN.endswith(f":{DAEMON_PORT}") and DaemonConfig().listen_port == DAEMON_PORT
     assert DEFAULT_PORT == HOOK_PORT
+    from harness.labserver.cli import DEFAULT_LISTEN as LAB_DEFAULT_LISTEN
+    from harness.labserver.cli import listen_address
+
     parser = argparse.ArgumentParser()
     lab_configure(parser)
     serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
-    assert serve.get_default("port") == LAB_PORT
+    assert listen_address(serve.parse_args(["--arm", "stock"]))[1] == LAB_PORT and LAB_DEFAULT_LISTEN.endswith(f":{LAB_PORT}")
     assert dict(DEFAULT_PORTS) == {"daemon": DAEMON_PORT, "hook": HOOK_PORT, "lab": LAB_PORT}
 
 
