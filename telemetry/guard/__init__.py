@@ -1,12 +1,13 @@
 """`memtel guard`: refuse, before the engine sees it, the prompt whose prefill would not fit.
 
-- `GuardProxy` (proxy.py): the reverse proxy; sizes completion prompts, forwards (to the replica with the most
-  room, given several) or answers 503.
-- `GuardQueue` (queue.py): a prompt that does not fit now waits for room (--queue-s) instead of a 503 at once.
+The decisions are the admission core's (telemetry/admission: `Admission.decide`); the guard performs them:
+- `GuardProxy` (proxy.py): the glue that performs each decision (CountFirst: the upstream's /tokenize; ReadModels:
+  its /v1/models; Hold: the queue's waiter; Forward; the refusals).
+- server.py: the client connections and their bounds; upstream.py: the upstream client (kept-alive connections,
+  one exchange, a forward relayed); queue.py: a held request's thin waiter; bounds.py: `GuardLimits`.
 - replicas.py: the engines behind the guard from --upstream/--hooks, --replica or a --replicas YAML file (each URL
   an `Endpoint` of the one URL parser, telemetry/url.py).
-- `LimitTracker` (limit.py): the hooks' forecasts, the limit in force, the blind episodes.
-- `PromptSize`, `measure` (prompt.py): a prompt's tokens bounded from above and below without a tokenizer.
+- `LimitTracker` (limit.py): the hooks scraped into the core's `Readings`, the clocks read, the blind episodes logged.
 - `GuardMetrics`, `GuardCollector`, `guard_registry` (metrics.py): the guard's own Prometheus metrics.
 - http.py: HTTP/1.1 through h11 on both sides, over connections with backpressure both ways.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from telemetry.admission import (
     Settings,
     measure,
 )
+from telemetry.admission.prompt import SPECIAL_TOKENS_PER_PROMPT
 from telemetry.url import parse_url
 
 WALL = 1_000_000.0
@@ -273,3 +275,101 @@ def test_only_a_refusal_for_room_is_cured_by_waiting(status, reason, held):
     refusal = Refusal(status, {"error": {"message": "m"}}, 5 if status == 503 else None, reason=reason)
     decision = core._refused(ids(1), refusal, reason, None, T0)
     assert isinstance(decision, Hold) is held and core.queued == (1 if held else 0)
+
+
+class _Upstream:
+    """The upstream's count (the prompt's whole count) and its model cards, as a front door reads them, recorded."""
+
+    def __init__(self, count=None, max_model_len=None):
+        self.count, self.max_model_len, self.calls = count, max_model_len, []
+
+
+def _admit(body, upstream, rank_tokens=1000, path="/v1/completions"):
+    """One prompt decided to its end, CountFirst and ReadModels performed against `upstream`: (the answer: (tokens
+    held, counted by) or the refusal decision, the tokens in prefill after it, the reasons counted)."""
+    core = Admission([replica(tokens=rank_tokens)])
+    prompt, rejected = Prompt(measure(path, body)), []
+    for _ in range(6):
+        decision = core.decide(prompt, T0)
+        if isinstance(decision, CountFirst):
+            upstream.calls.append("/tokenize")
+            if upstream.count is None:
+                prompt.not_counted(Refusal(502, {"error": {"message": "the upstream could not count"}}))
+            else:
+                prompt.counted(upstream.count - prompt.size.counted_tokens)
+        elif isinstance(decision, ReadModels):
+            upstream.calls.append("/v1/models")
+            core.models_read(decision.replica, {"m": upstream.max_model_len} if upstream.max_model_len else {}, T0)
+        elif isinstance(decision, Forward):
+            return (decision.tokens, decision.counted_by), core.replicas[0].readings.in_prefill_tokens, rejected
+        else:
+            if decision.counted_as is not None:
+                rejected.append(decision.counted_as)
+            return decision, core.replicas[0].readings.in_prefill_tokens, rejected
+    raise AssertionError("no decision after six steps")
+
+
+def test_one_word_and_many_spaces_holds_its_count_not_its_bytes():
+    upstream = _Upstream(count=1)
+    answer, held, _ = _admit({"prompt": "word" + " " * 399_999}, upstream, rank_tokens=401_244)
+    assert answer == (1, "tokenize") and held == 1 and upstream.calls == ["/tokenize"]
+
+
+def test_a_failed_count_for_the_hold_admits_by_the_byte_bound():
+    answer, held, _ = _admit({"prompt": "word" + " " * 399_999}, _Upstream(count=None), rank_tokens=401_244)
+    assert answer == (400_003 + SPECIAL_TOKENS_PER_PROMPT, "byte_bound") and held == answer[0]
+
+
+def test_words_over_max_model_len_are_refused_permanently_without_tokenize():
+    upstream = _Upstream(count=10**9, max_model_len=2000)
+    refusal, held, rejected = _admit({"prompt": "w " * 3000}, upstream)
+    assert isinstance(refusal, RefusePermanent) and refusal.status == 400 and held == 0
+    assert upstream.calls == ["/v1/models"] and rejected == ["context_length_exceeded"]
+
+
+def test_words_below_max_model_len_with_more_bytes_are_counted_to_tell_permanent_from_transient():
+    upstream = _Upstream(count=2500, max_model_len=2000)
+    refusal, _, _ = _admit({"prompt": "w " * 1500}, upstream)  # 1,500 words, 3,002 bytes: maybe over 2,000
+    assert refusal.status == 400 and refusal.body["error"]["prompt_tokens_counted_by"] == "tokenize"
+    assert upstream.calls == ["/v1/models", "/tokenize"]
+    upstream = _Upstream(count=1600, max_model_len=2000)
+    refusal, _, rejected = _admit({"prompt": "w " * 1500}, upstream)
+    assert refusal.status == 503 and rejected == ["would_not_fit"]
+
+
+def test_a_field_only_the_engine_can_count_is_counted_even_when_the_bytes_fit():
+    upstream = _Upstream(count=7)
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    answer, held, _ = _admit(body, upstream, rank_tokens=100_000, path="/v1/chat/completions")
+    assert answer == (7, "tokenize") and held == 7 and upstream.calls == ["/tokenize"]
+
+
+def test_prompt_embeds_are_admitted_by_their_byte_bound_or_refused_never_guessed():
+    small = base64.b64encode(b"\0" * 500).decode()
+    answer, _, _ = _admit({"prompt_embeds": small}, _Upstream())
+    assert answer == (500, "byte_bound")
+    big = base64.b64encode(b"\0" * 5000).decode()
+    refusal, held, rejected = _admit({"prompt_embeds": big}, _Upstream())
+    assert refusal.status == 400 and refusal.body["error"]["param"] == "prompt_embeds" and held == 0
+    assert "cannot be counted" in refusal.body["error"]["message"] and rejected == ["bad_request"]
+
+
+def test_a_prompt_over_a_mebibyte_is_answered_by_its_words_without_a_slow_count():
+    upstream = _Upstream(count=250_000, max_model_len=200_000)
+    refusal, _, _ = _admit({"prompt": "wwwwwwww " * 150_000}, upstream)  # 1.35 MB, 150,000 words
+    assert refusal.status == 503 and refusal.body["error"]["prompt_tokens_counted_by"] == "words"
+    assert upstream.calls == ["/v1/models"]
+
+
+def test_max_model_len_is_read_once_a_minute_and_a_failed_read_keeps_what_was_known():
+    core = Admission([replica()])
+    assert isinstance(core.decide(ids(1500), T0), ReadModels)
+    core.models_read(core.replicas[0], {"m": 2000, "other": 1000}, T0)
+    assert isinstance(settle(core, ids(2500), at(29)), RefusePermanent)   # known: no second read within the minute
+    assert core.replicas[0].models.get("m") == 2000 and core.replicas[0].models.get(None) == 1000  # none: the least
+    readings = core.replicas[0].readings
+    readings.record_at(readings.hooks[0], [RankFit("0", "node", 1000, 4e9, WALL + 61)], None, [], *at(61))
+    prompt = ids(2500)
+    assert isinstance(core.decide(prompt, at(61)), ReadModels)              # a minute on: read again
+    core.models_read(core.replicas[0], None, at(61))                        # the read failed
+    assert isinstance(core.decide(prompt, at(61)), RefusePermanent)         # what was known stands
