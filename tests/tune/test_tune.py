@@ -214,6 +214,11 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, args: list[str], words: st
     assert err.count("\n") == 1 and words in err and "Traceback" not in err, err
 
 
+def test_the_memory_limit_error_writes_every_byte_count_the_same_way(capsys) -> None:
+    code, _, err = run_cli(capsys, *CORE, "--memory-gb", "1")
+    assert code == 2 and "(1,073,741,824 bytes) is below the state's live bytes (" in err, err
+
+
 def test_cli_hostile_snapshot_gets_forecasts_limits(capsys, tmp_path: Path) -> None:
     big = tmp_path / "big.json"
     big.write_text("[" + "{}," * 2000 + "{}]")

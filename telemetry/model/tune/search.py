@@ -105,8 +105,10 @@ class Problem:
         if isinstance(self.target_tokens, bool) or not isinstance(self.target_tokens, int) or self.target_tokens < 1:
             raise ConfigError(f"the target length must be a positive number of tokens, got {self.target_tokens!r}")
         live = self.state.counters.allocated_bytes
-        if isinstance(self.limit_bytes, bool) or not isinstance(self.limit_bytes, int) or self.limit_bytes < live:
-            raise ConfigError(f"the memory limit ({self.limit_bytes!r} bytes) is below the state's live bytes "
+        if isinstance(self.limit_bytes, bool) or not isinstance(self.limit_bytes, int):
+            raise ConfigError(f"the memory limit must be a whole number of bytes, got {self.limit_bytes!r}")
+        if self.limit_bytes < live:
+            raise ConfigError(f"the memory limit ({self.limit_bytes:,} bytes) is below the state's live bytes "
                               f"({live:,} bytes = {live / 2**30:.2f} GiB): no prefill can fit; give more memory")
         if self.target_tokens > self.base.max_model_len:
             raise ConfigError(f"--target-tokens {self.target_tokens:,} is longer than max-model-len "
