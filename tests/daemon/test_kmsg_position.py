@@ -118,3 +118,12 @@ def test_each_state_directory_has_its_own_position(tmp_path, monkeypatch):
     one, other = default_position_path(tmp_path / "a"), default_position_path(tmp_path / "b")
     assert one is not None and other is not None and one != other and one.parent == tmp_path / "run"
     assert one == default_position_path(tmp_path / "a")   # the same directory, after its contents are lost
+
+
+def test_the_shipped_unit_keeps_the_position_across_service_restarts() -> None:
+    """The systemd unit runs the daemon as a dynamic user, where only $RUNTIME_DIRECTORY can hold the position:
+    without RuntimeDirectory= (preserved across the service's restarts) a lost state would recount old lines."""
+    unit = (Path(__file__).resolve().parents[2] / "configs/systemd/memtel-daemon.service").read_text()
+    settings = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
+    assert settings.get("RuntimeDirectory") == "memtel"
+    assert settings.get("RuntimeDirectoryPreserve") == "yes"

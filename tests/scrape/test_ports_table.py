@@ -22,7 +22,8 @@ def test_the_servers_take_their_defaults_from_the_table() -> None:
     parser = argparse.ArgumentParser()
     lab_configure(parser)
     serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
-    assert listen_address(serve.parse_args(["--arm", "stock"]))[1] == LAB_PORT and LAB_DEFAULT_LISTEN.endswith(f":{LAB_PORT}")
+    assert listen_address(serve.parse_args(["--arm", "stock"]))[1] == LAB_PORT
+    assert LAB_DEFAULT_LISTEN.endswith(f":{LAB_PORT}")
     assert dict(DEFAULT_PORTS) == {"daemon": DAEMON_PORT, "hook": HOOK_PORT, "lab": LAB_PORT}
 
 
