@@ -163,6 +163,15 @@ class GuardProxy:
             await self._answer(client, 400, error_body(GUARD_BAD_REQUEST, _body_error(exc), 400))
             return
         prompt = Prompt(size)
+        try:
+            await self._perform(prompt, request, path, raw, client, started)
+        finally:
+            if prompt.waiting is not None:  # it ended while it waited (the guard stopping): its place is freed
+                self.waiters.ended("client_left", self.core.leave(prompt, now()))
+
+    async def _perform(self, prompt: Prompt, request: Request, path: str, raw: bytes, client: ServerSide,
+                       started: float) -> None:
+        """Perform the core's decisions for `prompt` until it is forwarded or refused."""
         tried = 0
         while True:
             decision = self.core.decide(prompt, now())
