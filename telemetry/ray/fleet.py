@@ -143,14 +143,12 @@ class Fleet:
                                 reserve_bytes=self.settings.reserve_mb * (1 << 20))
             members[name] = Member(Replica(name, readings), hooks, upstream)
         self.members = members
-        if not members:
-            return
-        if self.admission is None:
+        if self.admission is not None:
+            self.admission.pool.replicas[:] = [m.replica for m in members.values()]
+        elif members:
             self.admission = Admission([m.replica for m in members.values()],
                                        Settings(self.settings.when_blind, self.settings.queue_s,
                                                 self.settings.max_queued))
-        else:
-            self.admission.pool.replicas[:] = [m.replica for m in members.values()]
         self._wake()
 
     def member(self, replica: Replica) -> Member | None:

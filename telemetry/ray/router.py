@@ -92,8 +92,9 @@ class MemtelRequestRouter(PowerOfTwoChoicesRequestRouter):  # type: ignore[misc]
             return self._refuse(pending_request, candidate_replicas, refusal)
         chosen = next((r for r in self.curr_replicas.values()
                        if str(r.replica_id.unique_id) == decision.replica.name), None)
-        if chosen is None:  # it left Serve while the prompt was decided: decide again on the next call
+        if chosen is None:  # it left Serve while the prompt was decided: decide again after Serve's backoff
             fleet.release(decision)
+            pending_request.routing_context.should_backoff = True
             return []
         self._held[request_id] = decision
         return [[chosen]]
