@@ -139,11 +139,13 @@ def build_protect(config: DaemonConfig) -> Protect:
     starts = HookScraper(targets, config.protect.interval_seconds) if targets else None
 
     def sample() -> Reading | None:
-        value = headroom.read().headroom
+        reading = headroom.read()
         total = meminfo.read().get("MemTotal")
         if not total:
             return None
-        return float(value), float(total), {} if starts is None else start_remaining_bytes(starts.latest(), total)
+        return (float(reading.headroom), float(total),
+                {} if starts is None else start_remaining_bytes(starts.latest(), total),
+                float(reading.without_reclaim), reading.success_ratio)
 
     roles = {role.role: role.cmdline for role in config.processes.roles}
     protect = Protect(config.protect, sample, roles)

@@ -1,7 +1,8 @@
 """The daemon's evidence-gated last resort (`protect:` in the daemon config; docs/alerts.md, "Protect").
 
 Off by default, and `dry_run: true` by default. Once a second it takes the node's headroom and MemTotal (and
-what starting engines will still take, from the local hook exporters); when the headroom is falling for real
+what starting engines will still take, from the local hook exporters, measured as the headroom is: the free 2 MiB
+blocks byte for byte, the rest at the huge-page faults' success ratio); when the headroom is falling for real
 by the one definition MemtelUnifiedHeadroomFalling also uses (telemetry.procfs.headroom.FALLING: below a
 quarter of MemTotal, a fitted slope steeper than 0.5 GiB/s down over 8 s, at least 4 GiB lost in those 8 s,
 and not a start the engines announced that ends above 4 GiB) it runs the configured action once per episode: signal a
@@ -48,7 +49,7 @@ from telemetry.catalogue.metrics import (
     PROTECT_LAST_SLOPE,
 )
 from telemetry.flight.hooks import HookScraper
-from telemetry.procfs.headroom import FALLING, FallingEvidence, FallingRule, falling_evidence
+from telemetry.procfs.headroom import FALLING, FallingEvidence, FallingRule, falling_evidence, headroom_taken
 
 log = logging.getLogger("memtel.daemon.protect")
 
@@ -60,8 +61,10 @@ MAX_ARG_CHARS = 4096
 COMMAND_TIMEOUT_S = 30.0
 MAX_PIDFILE_BYTES = 64
 MAX_ROLE_PROCESSES = 16
-# headroom, MemTotal[, per starting engine what its start will still take]
-Reading = tuple[float, float] | tuple[float, float, Mapping[str, float]]
+# headroom, MemTotal[, per starting engine what its start will still take[, the headroom without reclaim and the
+# huge-page faults' success ratio (None: no evidence), which measure what a start takes as the headroom is]]
+Reading = (tuple[float, float] | tuple[float, float, Mapping[str, float]]
+           | tuple[float, float, Mapping[str, float], float, float | None])
 _UNIT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:-_.@\\")
 
 
@@ -174,11 +177,17 @@ class Episodes:
     last_taking: dict[str, float] = field(default_factory=dict)  # per engine, when it last said more than 0
 
     def observe(self, now: float, headroom: float, mem_total: float,
-                start_remaining: Mapping[str, float] | None = None) -> FallingEvidence | None:
+                start_remaining: Mapping[str, float] | None = None, without_reclaim: float | None = None,
+                success_ratio: float | None = None) -> FallingEvidence | None:
         """The evidence if this sample starts an episode (act now), else None. `start_remaining`: per starting
         engine (any key naming it), what its start will still take (its hook's memtel_engine_start_remaining_bytes;
-        empty or None: no engine is starting)."""
+        empty or None: no engine is starting), taken from the headroom as the headroom measures it
+        (headroom_taken, with this sample's headroom without reclaim and success ratio; `without_reclaim` None:
+        byte for byte)."""
         starts = start_evidence(start_remaining or {}, mem_total, now, self.last_taking)
+        if without_reclaim is not None:
+            starts = {engine: headroom_taken(remaining, without_reclaim, success_ratio)
+                      for engine, remaining in starts.items()}
         self.samples.append((now, headroom, starts))
         keep = self.rule.window_seconds + self.rule.start_lag_seconds  # falling_evidence's history
         while self.samples and self.samples[0][0] < now - keep:

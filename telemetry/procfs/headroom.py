@@ -52,11 +52,27 @@ def headroom_without_reclaim(mem_available: int, free_contiguous: int) -> int:
     return min(mem_available, free_contiguous)
 
 
+def success_share(success_ratio: float | None) -> float:
+    """The huge-page faults' success ratio as the headroom counts it: within 0 and 1, None (no evidence) as 1."""
+    return 1.0 if success_ratio is None else min(max(success_ratio, 0.0), 1.0)
+
+
 def unified_headroom(mem_available: int, free_contiguous: int, success_ratio: float | None) -> int:
     """The headroom (module docstring); `success_ratio` None means no evidence, counted as 1."""
-    ratio = 1.0 if success_ratio is None else min(max(success_ratio, 0.0), 1.0)
     reclaimable = max(mem_available - free_contiguous, 0)
-    return min(mem_available, free_contiguous + int(ratio * reclaimable))
+    return min(mem_available, free_contiguous + int(success_share(success_ratio) * reclaimable))
+
+
+def headroom_taken(remaining: float, without_reclaim: float, success_ratio: float | None) -> float:
+    """What taking `remaining` more bytes of MemAvailable takes from the headroom, by the headroom's definition
+    (issue 38): the free 2 MiB blocks (`without_reclaim`, headroom_without_reclaim) go first, byte for byte; the
+    rest comes out of what reclaim and compaction give back, which the headroom counts at the success ratio. So
+    the headroom less this is unified_headroom(MemAvailable - remaining, max(free_contiguous - remaining, 0),
+    success_ratio): where the node ends once a start takes `remaining`, on the same measure as the headroom.
+    Without the discount a start that takes the node's page cache looks (1 - ratio) x that much larger than the
+    fall it causes."""
+    beyond_free = max(remaining - max(without_reclaim, 0.0), 0.0)
+    return remaining - (1.0 - success_share(success_ratio)) * beyond_free
 
 
 def selected(sysfs_text: str) -> str:
@@ -185,9 +201,11 @@ class FallingRule:
 
     unless the node's starting engines explain it (issue 29). An engine that starts exports what its start
     will still take (memtel_engine_start_remaining_bytes, read by its hook; counted as 0 for window_seconds
-    after its start ended, so the tail of its own fall stays explained). Per engine, the headroom less what it
-    will still take, at its highest over the last `start_lag_seconds` (the hook's scrape interval: a reading
-    that lags the daemon's by one scrape is not a fall), is where the node ends once that start is done; over
+    after its start ended, so the tail of its own fall stays explained). What it will still take is measured as
+    the headroom is (`headroom_taken`: the free 2 MiB blocks byte for byte, the rest at the huge-page faults'
+    success ratio, issue 38). Per engine, the headroom less what it will still take, at its highest over the
+    last `start_lag_seconds` (the hook's scrape interval: a reading that lags the daemon's by one scrape is not
+    a fall), is where the node ends once that start is done; over
     the engines, the node ends at the sum of those less (engines - 1) × the headroom now. The fall is
     explained when that is at least `low_floor_bytes`, MemtelUnifiedHeadroomLow's floor. A start that asks
     for more than the node has begins below it; a collapse during a start takes it below the floor as it
@@ -249,8 +267,9 @@ def falling_evidence(samples: list[tuple[float, float]], mem_total_bytes: float,
                      start_remaining: Sequence[Mapping[str, float]] | None = None) -> FallingEvidence | None:
     """The evidence at the newest of `samples` ((time, headroom) in time order), from those within the window
     (the newest minus window_seconds, inclusive, as a PromQL range of 2.x selects); None without samples.
-    `start_remaining`, aligned with `samples`: per starting engine, what its start will still take at each
-    sample (empty where none was starting); give window_seconds + start_lag_seconds of history."""
+    `start_remaining`, aligned with `samples`: per starting engine, what its start will still take from the
+    headroom at each sample (`headroom_taken`; empty where none was starting); give window_seconds +
+    start_lag_seconds of history."""
     if not samples:
         return None
     now, headroom = samples[-1]

@@ -523,6 +523,40 @@ def sglang_start() -> Iterator[dict]:
                     starts([engine], base=REAL_SPARK_DESKTOP), seed=74)
 
 
+@dataclass
+class RealSparkStart(EngineStart):
+    """vLLM starting on a real Spark: its budget is `util` of the real MemTotal (121.69 GiB)."""
+
+    @property
+    def budget(self) -> float:
+        return self.util * REAL_SPARK_TOTAL
+
+
+def start_cold_page_cache() -> Iterator[dict]:
+    """vLLM at 0.9 on a real headless Spark (117 GiB available at rest, 8 GiB of it page cache) with a cold page
+    cache: the weights are read from disk through the page cache as they load, so the 30 GiB of weights take
+    60 GiB of free 2 MiB blocks (their copy and the cached file) and the KV cache runs out of free blocks and
+    comes out of the page cache, whose huge-page faults succeed 88 % of the time (issue 38). 7.5 GiB stay
+    available, 6.6 GiB of headroom."""
+    base, cache, floor = 117 * GIB, 8 * GIB, 512 * MIB
+    engine = RealSparkStart(begin=30, util=0.9, weights=30 * GIB, pid=4700)
+
+    def step(node: Node, s: int, rng: random.Random) -> None:
+        engine.step(node, s)
+        held = engine.held(s)
+        cached = cache + min(engine.weights_rate * max(s - engine.begin, 0), engine.weights)
+        node.mem_available = base - held + rng.uniform(-64, 64) * MIB
+        node.free_contiguous = max(base - cached - held, floor)
+        _huge_faults(node, rng.randint(20, 60), 0.88, rng)
+
+    header = {"outcome": "benign", "node": "spark-headless",
+              "description": "vLLM at gpu_memory_utilization 0.9 starting on a DGX Spark (121.69 GiB, 117 GiB "
+                             "available) with a cold page cache: the weights fill the page cache as they load, "
+                             "the KV cache comes out of it at a huge-page success ratio of 0.88; 7.5 GiB stay "
+                             "available. The hook announces the start."}
+    return timeline(header, Node(REAL_SPARK_TOTAL, base, base - cache), 150, step, seed=75)
+
+
 def engine_dies_after_nv_err() -> Iterator[dict]:
     """A real Spark with its desktop serving at 0.85; a long prefill's allocator segments take the last
     9.6 GiB at 0.4 GiB/s; the driver logs NV_ERR_NO_MEMORY at t=140 and the engine exits at t=146 (its memory
@@ -621,6 +655,7 @@ TIMELINES: dict[str, Callable[[], Iterator[dict]]] = {
     "swap-thrash-to-oom-kill": swap_thrash_to_oom_kill,
     "spark-desktop-start-with-an-nv-err-line": start_with_an_nv_err_line,
     "sglang-start-0.85-spark-desktop": sglang_start,
+    "spark-headless-start-0.90-cold-page-cache": start_cold_page_cache,
 }
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from telemetry.procfs.headroom import FALLING, falling_evidence, least_squares_slope
+from telemetry.catalogue.metrics import HUGE_PAGE_FAULT_SUCCESS_RATIO, UNIFIED_HEADROOM_WITHOUT_RECLAIM
+from telemetry.procfs.headroom import FALLING, falling_evidence, headroom_taken, least_squares_slope, unified_headroom
 
 RULES = Path(__file__).resolve().parents[2] / "dashboards" / "prometheus" / "memtel-alerts.yml"  # the package's file
 GIB = 1 << 30
@@ -45,6 +46,15 @@ def test_the_rule_file_writes_the_numbers_of_the_code():
     assert f"last_over_time(memtel_engine_start_remaining_bytes{window})" in \
         recorded("node_engine:memtel_engine_start_remaining_bytes")
     assert re.search(r"unless on \(node\) node:memtel_unified_headroom_explained_by_starts == 1\s*$", alert["expr"])
+    # What a start takes, measured as the headroom is (issue 38): from the daemon's own series.
+    assert "node_engine:memtel_engine_start_headroom_taken_bytes" in \
+        recorded("node_engine:memtel_node_unified_headroom_after_start_bytes")
+    assert UNIFIED_HEADROOM_WITHOUT_RECLAIM.series in \
+        recorded("node:memtel_node_unified_headroom_without_reclaim_bytes:min")
+    assert HUGE_PAGE_FAULT_SUCCESS_RATIO.series in recorded("node:memtel_node_huge_page_fault_fallback_ratio")
+    taken = recorded("node_engine:memtel_engine_start_headroom_taken_bytes")
+    assert "node:memtel_node_huge_page_fault_fallback_ratio" in taken
+    assert "node:memtel_node_unified_headroom_without_reclaim_bytes:min" in taken
     explained = recorded("node:memtel_unified_headroom_explained_by_starts")
     assert re.search(r"node:memtel_node_unified_headroom_after_starts_bytes\s+>= bool on \(\) group_left \(\) "
                      r"memtel:unified_headroom_low_threshold_bytes", explained)
@@ -125,3 +135,45 @@ def test_a_collapse_during_a_start_is_falling_once_the_hook_lag_has_passed():
         return max(20 * GIB - 3 * GIB * (t - 61), 2 * GIB)
 
     assert first_falling(headroom, hook_every_5s(80 * GIB, None)) == 72  # headroom_test.yml: 72 s
+
+
+# -- the huge-page discount on both sides (issue 38) ------------------------------------------------------------
+def test_what_a_start_takes_is_the_headroom_less_the_headroom_after_it():
+    """headroom_taken is the headroom's own definition applied before and after a start takes its bytes."""
+    for available, contiguous in ((120 * GIB, 0), (117 * GIB, 49 * GIB), (60 * GIB, 60 * GIB)):
+        for ratio in (None, 0.0, 0.5, 0.88, 1.0):
+            for remaining in (0, 1 * GIB, 30 * GIB, 49 * GIB, 55 * GIB, available):
+                before = unified_headroom(available, contiguous, ratio)
+                after = unified_headroom(available - remaining, max(contiguous - remaining, 0), ratio)
+                assert abs(headroom_taken(remaining, contiguous, ratio) - (before - after)) <= 1
+
+
+def test_the_numbers_of_the_rule_files_unit_tests():
+    """headroom_test.yml's cases of node_engine:memtel_engine_start_headroom_taken_bytes, in Python."""
+    assert headroom_taken(30 * GIB, 40 * GIB, 0.75) == 30 * GIB    # within the free 2 MiB blocks: byte for byte
+    assert headroom_taken(50 * GIB, 10 * GIB, None) == 50 * GIB    # no evidence of the ratio: byte for byte
+    assert headroom_taken(50 * GIB, 10 * GIB, 0.75) == 40 * GIB    # 10 + 0.75 x 40
+    assert headroom_taken(64 * GIB, 0, 0.75) == 48 * GIB
+
+
+def page_cache_start(t: int) -> tuple[float, float]:
+    """headroom_test.yml's start out of the page cache: (headroom, what the start will still take) at 1 s reads,
+    no free 2 MiB blocks, a success ratio of 0.75: 90 GiB of headroom, 112 GiB to take at 16 GiB/s from t=30."""
+    k = min(max(t - 30, 0), 7)
+    return 90 * GIB - 12 * GIB * k, 112 * GIB - 16 * GIB * k
+
+
+def test_a_start_out_of_the_page_cache_is_explained_on_the_headrooms_measure_and_not_byte_for_byte():
+    from telemetry.daemon.protect import Episodes
+
+    def first(discount: bool) -> int | None:
+        episodes = Episodes()
+        for t in range(100):
+            headroom, remaining = page_cache_start(t)
+            extra = (0.0, 0.75) if discount else ()
+            if episodes.observe(float(t), headroom, 128 * GIB, {"e": remaining}, *extra) is not None:
+                return t
+        return None
+
+    assert first(discount=True) is None
+    assert first(discount=False) == 35  # where the rule before issue 38 paged (headroom_test.yml)

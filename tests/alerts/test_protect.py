@@ -22,21 +22,28 @@ from telemetry.daemon.protect import (
     start_remaining_bytes,
 )
 from telemetry.errors import ConfigError
+from telemetry.procfs.headroom import FALLING
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "alerts" / "corpus"
 HEADROOM = "memtel_node_unified_headroom_bytes"
 MEM_TOTAL = "memtel_node_mem_total_bytes"
+WITHOUT_RECLAIM = "memtel_node_unified_headroom_without_reclaim_bytes"
+SUCCESS_RATIO = "memtel_node_huge_page_fault_success_ratio"
 BENIGN = ("page-cache-churn", "large-flat-allocation", "slow-leak-above-floor", "nv-err-at-rest",
           "model-weights-in-page-cache", "no-nvidia-driver",
           # engine starts the hook announces (issue 29): Spark-sized at 0.7, 0.85, 0.9, a restart loop, two
           # engines together, a start on a node already low
           "spark-start-0.70", "spark-start-0.85", "spark-start-0.90", "spark-restart-loop",
-          "two-engines-starting-together", "start-on-a-low-node")
+          "two-engines-starting-together", "start-on-a-low-node",
+          # issue 38: vLLM at 0.9 on a real Spark whose KV cache comes out of a cold page cache (ratio 0.88)
+          "spark-headless-start-0.90-cold-page-cache")
 
 
-def replay(name: str, dry_run: bool = False, hook: dict[str, float] | None = None) -> tuple[list, list[str], float]:
+def replay(name: str, dry_run: bool = False, hook: dict[str, float] | None = None,
+           discount: bool = True) -> tuple[list, list[str], float]:
     """Feed a corpus timeline through Protect second by second, as the daemon's loop does; (decisions, the
-    actions run, the timeline's onset or start). `hook`: series a hook target answers besides the timeline's."""
+    actions run, the timeline's onset or start). `hook`: series a hook target answers besides the timeline's.
+    `discount` False: the starts' remaining bytes taken byte for byte (the reading before issue 38)."""
     timeline = load_timeline(CORPUS / f"{name}.jsonl.gz")
     records = iter(timeline.records)
     current = [timeline.records[0]]
@@ -44,7 +51,8 @@ def replay(name: str, dry_run: bool = False, hook: dict[str, float] | None = Non
 
     def sample():
         values = {**current[0].values, **(hook or {})}
-        return values[HEADROOM], values[MEM_TOTAL], start_remaining_bytes(values, values[MEM_TOTAL])
+        reading = (values[HEADROOM], values[MEM_TOTAL], start_remaining_bytes(values, values[MEM_TOTAL]))
+        return (*reading, values[WITHOUT_RECLAIM], values.get(SUCCESS_RATIO)) if discount else reading
 
     def action(config, roles):
         acted.append(config.describe_action())
@@ -104,6 +112,17 @@ def test_engine_start_claims_are_bounded_by_zero_and_the_nodes_memory():
 def test_protect_does_nothing_on_a_benign_timeline(name):
     decisions, acted, _ = replay(name)
     assert decisions == [] and acted == []
+
+
+def test_a_start_out_of_the_page_cache_taken_byte_for_byte_acts_and_measured_as_the_headroom_does_not():
+    """Issue 38: the headroom counts the page cache at the huge-page success ratio (0.88 here); a start's remaining
+    bytes taken byte for byte leave it 2-3 GiB below Low's floor, so protect killed a healthy start."""
+    name = "spark-headless-start-0.90-cold-page-cache"
+    decisions, _, _ = replay(name, discount=False)
+    assert len(decisions) == 1
+    after = decisions[0].evidence.after_starts_bytes
+    assert after is not None and after < FALLING.low_floor_bytes
+    assert replay(name) == ([], [], load_timeline(CORPUS / f"{name}.jsonl.gz").start)
 
 
 def test_dry_run_is_the_default_and_only_says_what_it_would_do():

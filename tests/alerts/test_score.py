@@ -37,7 +37,7 @@ BENIGN = ("page-cache-churn", "model-weights-in-page-cache", "large-flat-allocat
           "spark-desktop-start-with-an-nv-err-line")
 STARTS = ("spark-start-0.70", "spark-start-0.85", "spark-start-0.90", "spark-restart-loop",
           "two-engines-starting-together", "start-on-a-low-node", "slow-1m-token-prefill",  # benign (issue 29)
-          "sglang-start-0.85-spark-desktop")   # issue 38
+          "sglang-start-0.85-spark-desktop", "spark-headless-start-0.90-cold-page-cache")   # issue 38
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
@@ -181,7 +181,9 @@ def first_protect_decision(timeline) -> float | None:
     protect = Protect(ProtectConfig(enabled=True, dry_run=True, command=("/bin/true",)),
                       lambda: (current[0].values["memtel_node_unified_headroom_bytes"],
                                current[0].values["memtel_node_mem_total_bytes"],
-                               start_remaining_bytes(current[0].values)),
+                               start_remaining_bytes(current[0].values),
+                               current[0].values["memtel_node_unified_headroom_without_reclaim_bytes"],
+                               current[0].values.get("memtel_node_huge_page_fault_success_ratio")),
                       clock=lambda: current[0].time)
     for record in timeline.records:
         current[0] = record

@@ -35,7 +35,10 @@ def test_protect_acts_on_the_headroom_the_collector_exports(tmp_path, meminfo, b
     reading = build_protect(config).sample()
 
     assert reading is not None
-    headroom, mem_total, starts = reading
+    headroom, mem_total, starts, without_reclaim, ratio = reading
     assert headroom == registry.get_sample_value("memtel_node_unified_headroom_bytes")
     assert headroom != registry.get_sample_value("memtel_node_unified_headroom_without_reclaim_bytes")
     assert mem_total > headroom and starts == {}
+    # What a start takes is measured with the same reading's figures (issue 38).
+    assert without_reclaim == registry.get_sample_value("memtel_node_unified_headroom_without_reclaim_bytes")
+    assert ratio == registry.get_sample_value("memtel_node_huge_page_fault_success_ratio")
