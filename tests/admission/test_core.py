@@ -373,3 +373,37 @@ def test_max_model_len_is_read_once_a_minute_and_a_failed_read_keeps_what_was_kn
     assert isinstance(core.decide(prompt, at(61)), ReadModels)              # a minute on: read again
     core.models_read(core.replicas[0], None, at(61))                        # the read failed
     assert isinstance(core.decide(prompt, at(61)), RefusePermanent)         # what was known stands
+
+
+def test_a_held_prompt_refused_blind_leaves_the_queue_counted_refused_with_each_ranks_reason():
+    core = Admission([replica(tokens=1000)], Settings(when_blind="reject", queue_s=60.0))
+    prompt = ids(1500)
+    assert isinstance(settle(core, prompt, T0), Hold)
+    readings = core.replicas[0].readings   # the hook answers on, but its forecast stopped: stale by its own time
+    readings.record_at(readings.hooks[0], [RankFit("0", "node", 1000, 4e9, WALL)], None, [], *at(40))
+    decision = core.decide(prompt, at(40))
+    assert isinstance(decision, RefuseTransient) and decision.queue_outcome == "refused" and core.queued == 0
+    assert (decision.status, decision.body["error"]["code"], decision.counted_as) == (503, 503, "blind")
+    assert decision.body["error"]["message"].endswith("http://e:9200/metrics: forecast older than 30 s")
+
+
+def test_every_replica_down_is_a_503_of_the_upstream_unavailable_type_counted_no_replica():
+    a, b = replica("http://a:8000"), replica("http://b:8000")
+    core = Admission([a, b])
+    core.pool.leave(a, "/health: 503")
+    core.pool.leave(b, "/health: 503")
+    decision = core.decide(ids(10), T0)
+    assert isinstance(decision, RefuseTransient) and decision.counted_as == "no_replica"
+    error = decision.body["error"]
+    assert (decision.status, error["type"], error["code"], error["retryable"]) == (503, "memtel_upstream_unavailable",
+                                                                                   503, True)
+    assert core.no_replica().counted_as == "no_replica"
+    assert "blind" not in core.pool.why_blind(*at(0))   # (fresh readings: each replica says so)
+
+
+def test_the_why_blind_of_several_replicas_names_each_and_reads_the_forecasts_time():
+    a, b = replica("http://a:8000"), replica("http://b:8000")
+    core = Admission([a, b])
+    assert core.pool.why_blind(*at(0)) == ("http://a:8000: http://a:9200/metrics: fresh; "
+                                           "http://b:8000: http://b:9200/metrics: fresh")
+    assert "forecast older than 30 s" in core.pool.why_blind(T0.monotonic + 1, WALL + 40)

@@ -195,3 +195,38 @@ def test_prompt_embeds_that_are_not_base64_strings_are_refused():
     with pytest.raises(PromptError) as error:
         measure(COMPLETIONS, {"prompt_embeds": []})
     assert str(error.value) == "`prompt_embeds` must be a base64 string or a non-empty list of them"
+
+
+def test_a_responses_request_is_sized_as_the_chat_it_renders_to():
+    tools = [{"type": "function", "name": "f"}]
+    size = measure("/v1/responses", {"model": "m", "instructions": "be brief", "input": "one two three",
+                                     "tools": tools, "text": {"format": {"type": "text"}}})
+    assert size.tokenize_body is not None and size.param == "input" and size.model == "m"
+    assert size.tokenize_body["messages"] == [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": "one two three"}]
+    assert size.tokenize_body["model"] == "m" and size.tokenize_body["tools"] == [{"type": "function", "name": "f"}]
+    text_bytes = len(json.dumps({"format": {"type": "text"}}).encode())   # `text` rendered: counted by its bytes
+    assert size.counted_tokens == text_bytes and size.least_tokens == 5  # the words of both messages
+
+
+def test_a_responses_tool_item_is_bounded_by_its_json_and_gives_no_words():
+    item = {"type": "function_call_output", "call_id": "c1", "output": "forty two words " * 10}
+    size = measure("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a b"}]},
+                                               item]})
+    assert size.tokenize_body is not None
+    assert size.tokenize_body["messages"][1] == {"role": "tool", "content": json.dumps(item, ensure_ascii=False)}
+    assert size.least_tokens == 2   # the item's words are not the prompt's (the template may write less of it)
+    assert size.most_tokens >= len(json.dumps(item).encode()) + 2
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"model": "m"}, "`input` is missing: expected a string or a non-empty list of input items"),
+    ({"input": []}, "`input` must be a string or a non-empty list of input items"),
+    ({"input": "x", "instructions": 3}, "`instructions` must be a string"),
+    ({"input": ["x"]}, "input[0] must be an object"),
+    ({"input": "x", "previous_response_id": "r1"}, "`previous_response_id` continues a stored conversation"),
+])
+def test_a_responses_request_the_guard_cannot_size_is_one_line(body, says):
+    with pytest.raises(PromptError) as caught:
+        measure("/v1/responses", body)
+    assert str(caught.value).startswith(says) and "\n" not in str(caught.value)
