@@ -246,7 +246,6 @@ class Admission:
         refusal = Refusal(503, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"memtel guard: no replica is healthy now "
                                           f"({self.pool.why_none()})", 503, reason="no_replica", retryable=True),
                           RETRY_AFTER_S["no_replica"], reason="no_replica")
-        refusal.counted_as = "no_replica"
         return refusal
 
     def no_replica(self) -> RefuseTransient | RefusePermanent:
