@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
     from telemetry.hook import HookHandle
 
-__version__ = "0.1.0"
+from telemetry.version import __version__
 
 __all__ = ["__version__", "install"]
 

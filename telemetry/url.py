@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from telemetry.errors import ConfigError, shown
 
 METRICS_PATH = "/metrics"
+SNAPSHOT_PATH = "/snapshot"  # the hook's allocator snapshot (telemetry/hook/exporter.py, memtel tune --hook)
 _SCHEME_PORTS = {"http": 80, "https": 443}
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -201,5 +202,5 @@ def parse_url_list(text: str, where: str = "URL", *, default_port: int | None = 
     return endpoints
 
 
-__all__ = ["METRICS_PATH", "REDACTED", "Endpoint", "is_host", "parse_base_url", "parse_http_url", "parse_url",
-           "parse_url_list", "redact_credentials"]
+__all__ = ["METRICS_PATH", "REDACTED", "SNAPSHOT_PATH", "Endpoint", "is_host", "parse_base_url", "parse_http_url",
+           "parse_url", "parse_url_list", "redact_credentials"]

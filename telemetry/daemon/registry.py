@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from prometheus_client.core import Metric
 
-from telemetry import __version__
 from telemetry.catalogue import described
 from telemetry.catalogue import metrics as catalogue
+from telemetry.version import __version__
 
 if TYPE_CHECKING:
     from telemetry.daemon.settings import DaemonConfig

@@ -31,10 +31,10 @@ from typing import Any, Protocol
 from prometheus_client.registry import CollectorRegistry
 
 from telemetry.limits import MAX_SNAPSHOT_BLOCKS
+from telemetry.url import SNAPSHOT_PATH
 
 log = logging.getLogger("memtel.hook")
 
-SNAPSHOT_PATH = "/snapshot"
 SnapshotProvider = Callable[[], "tuple[Any, int | None] | None"]
 _TEXT = "text/plain; charset=utf-8"
 _DROPPED_BLOCK_KEYS = ("frames", "history")

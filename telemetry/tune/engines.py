@@ -14,7 +14,6 @@ from typing import Any
 from telemetry.engines import ENGINES as REGISTERED
 from telemetry.engines.registry import Engine, Tuning
 from telemetry.errors import ConfigError
-from telemetry.hook.presets import PRESETS
 from telemetry.model.indexer.planner import MODES
 from telemetry.model.indexer.shape import budget_mib_text
 from telemetry.model.tune.space import Setting
@@ -41,7 +40,7 @@ def engine_of_preset(name: str) -> Engine:
         if tuning(engine).preset == name:
             return engine
     presets = ", ".join(tuning(e).preset for e in ENGINES.values())
-    if name in PRESETS:
+    if any(name in engine.presets for engine in REGISTERED):
         raise ConfigError(f"--preset {name}: not a prefill-logits preset (tune searches prefill settings); use one of "
                           + presets)
     raise ConfigError(f"--preset {name!r}: unknown; the presets of the prefill logits are {presets}")

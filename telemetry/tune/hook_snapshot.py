@@ -31,9 +31,8 @@ _STATUS_WHY = {
 def hook_endpoint(text: str) -> Any:
     """The /snapshot endpoint of the hook named by `text` (HOST:PORT, http(s)://[USER:PASSWORD@]HOST:PORT[/PATH];
     a bare host: the hook's default port; a /metrics path is taken to mean the same exporter)."""
-    from telemetry.hook.exporter import SNAPSHOT_PATH
     from telemetry.scrape.ports import HOOK_PORT
-    from telemetry.url import METRICS_PATH, parse_url
+    from telemetry.url import METRICS_PATH, SNAPSHOT_PATH, parse_url
 
     endpoint = parse_url(text, "--hook", default_port=HOOK_PORT, default_path=SNAPSHOT_PATH)
     if endpoint.path in (METRICS_PATH, "/"):
