@@ -12,7 +12,7 @@ max-model-len as given.
 The memory: the state's reserved bytes plus --spare-gb (negative: below it, so the cache must be freed).
 The space: `memtel tune`'s default (720 settings; under `--cap fraction` garbage_collection_threshold too: 2,160).
 `--history`: the synthetic state's own allocation history (how it was made, op by op) is replayed under each
-setting (telemetry/model/tune/history.py), as `memtel tune --history` does.
+setting (telemetry/model/fitsearch/history.py), as `memtel tune --history` does.
 Prints one line per memory and a JSON document at the end.
 """
 
@@ -36,8 +36,8 @@ GIB = 1 << 30
 def synthetic_state(segments: int) -> tuple[Any, Any]:
     """(the state, its history as ops)."""
     from telemetry.model.allocsim.snapshot import read_allocator_state
+    from telemetry.model.fitsearch.history import history_from_ops
     from telemetry.model.indexer.backends import SimBackend
-    from telemetry.model.tune.history import history_from_ops
 
     backend = SimBackend("")
     ops: list[list[Any]] = []
@@ -61,8 +61,8 @@ def synthetic_state(segments: int) -> tuple[Any, Any]:
 
 def one(state: Any, shape: Any, spare_gb: float, target: int, top: int, history: Any = None, cap: str = "device",
         total: int | None = None) -> dict[str, Any]:
-    from telemetry.model.tune.search import Problem, tune
-    from telemetry.model.tune.space import SearchSpace, expand, process_setting
+    from telemetry.model.fitsearch.search import Problem, tune
+    from telemetry.model.fitsearch.space import SearchSpace, expand, process_setting
 
     limit = state.counters.reserved_bytes + int(spare_gb * GIB)
     problem = Problem(state, shape, limit, target, history=history, cap=cap, total_memory=total)

@@ -11,7 +11,7 @@ Needs CUDA (torch with a GPU); written for the H200 and not yet run (no device w
 2. Per setting (`SETTINGS`: the defaults, expandable segments, max_split_size_mb:256, a GC threshold), a fresh
    process sets `torch.cuda.set_per_process_memory_fraction(--fraction)` and PYTORCH_CUDA_ALLOC_CONF, runs the
    history (every allocation and free recorded as ops, the prefill's too) and records its snapshot.
-3. The prediction: from the defaults' snapshot and history, `memtel tune`'s replay (telemetry/model/tune) of each
+3. The prediction: from the defaults' snapshot and history, `memtel tune`'s replay (telemetry/model/fitsearch) of each
    setting under the same fraction (`--cap fraction`).
 4. The real edge: fresh processes (one per length) run the history then a prefill of N tokens; the prediction and
    the token after it first, then a walk and a bisection until the longest length that fits and the first that
@@ -179,11 +179,11 @@ def run_child(conf: str, fraction: float, tokens: int) -> dict[str, Any]:
 
 def predict(base: dict[str, Any], conf: str) -> int:
     from telemetry.model.allocsim.snapshot import read_allocator_state
+    from telemetry.model.fitsearch.history import check_matches, history_from_ops
+    from telemetry.model.fitsearch.search import Problem, evaluate
+    from telemetry.model.fitsearch.space import Setting
     from telemetry.model.indexer.prefill import LaunchPattern
     from telemetry.model.indexer.shape import IndexerShape
-    from telemetry.model.tune.history import check_matches, history_from_ops
-    from telemetry.model.tune.search import Problem, evaluate
-    from telemetry.model.tune.space import Setting
 
     state = read_allocator_state(base["snapshot"])
     history = history_from_ops(base["history"])

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from telemetry.engines.registry import Applied, Engine, PresetSite, Tuning, register
 
 if TYPE_CHECKING:
-    from telemetry.model.tune.space import Setting
+    from telemetry.model.fitsearch.space import Setting
 
 PREFILL_PRESET = "lab-indexer"
 

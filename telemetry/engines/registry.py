@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    from telemetry.model.fitsearch.space import Setting
     from telemetry.model.indexer.shape import IndexerShape
-    from telemetry.model.tune.space import Setting
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from telemetry.engines.registry import Applied, Engine, PresetSite, Tuning, register, tensors_in
 
 if TYPE_CHECKING:
-    from telemetry.model.tune.space import Setting
+    from telemetry.model.fitsearch.space import Setting
 
 PREFILL_PRESET = "sglang-sparse-indexer"
 # Returns once SGLang knows what its start will hold (start_plan_bytes), before the weights load.

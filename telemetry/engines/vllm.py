@@ -50,7 +50,7 @@ from telemetry.engines.registry import (
 )
 
 if TYPE_CHECKING:
-    from telemetry.model.tune.space import Setting
+    from telemetry.model.fitsearch.space import Setting
 
 PREFILL_PRESET = "vllm-sparse-indexer"
 

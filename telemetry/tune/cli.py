@@ -4,10 +4,10 @@
                 [--engine vllm|sglang|lab | --preset NAME] [--json] [--plot FILE] [--verify [K]]
 
 With the process's allocation history (`--history`, a `--trace` recorded from the start) each setting starts
-from that history replayed under it (telemetry/model/tune/history.py); without it, a setting that changes the
+from that history replayed under it (telemetry/model/fitsearch/history.py); without it, a setting that changes the
 allocator's layout is a best case, printed "at most N" and never ranked above today's setting on it alone.
 
-The search is telemetry/model/tune (pure, on the simulator); this module reads the inputs (the snapshot or a
+The search is telemetry/model/fitsearch (pure, on the simulator); this module reads the inputs (the snapshot or a
 recorded trace through `memtel forecast`'s loader and limits, the node's headroom, the engine), prints the
 ranking and the lines to paste, and runs `--verify`. docs/lab.md, "Tune (`memtel tune`)".
 """
@@ -33,7 +33,7 @@ def _list(kind: str, parse: Any, none_words: tuple[str, ...] = ("none", "unset")
     """An argparse type: comma-separated values, `none` for "not set" where allowed."""
     def convert(text: str) -> tuple[Any, ...]:
         from telemetry.argtypes import shown
-        from telemetry.model.tune.space import iter_values
+        from telemetry.model.fitsearch.space import iter_values
 
         values = list(iter_values(text))
         if not values or len(values) > LIST_LIMIT:
@@ -166,7 +166,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _space(args: argparse.Namespace, engine: Any) -> Any:
-    from telemetry.model.tune.space import SearchSpace
+    from telemetry.model.fitsearch.space import SearchSpace
 
     defaults = SearchSpace()
     gc = args.gc_threshold
@@ -354,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
 def _history(args: argparse.Namespace, path: Path, state: Any, max_bytes: int) -> Any:
     """The process's history: --history, else the --trace's own, else what the hook's /snapshot carried (None:
     none); checked against the snapshot's live blocks."""
-    from telemetry.model.tune.history import MAX_HISTORY_OPS, HistoryError, check_matches, load_history
+    from telemetry.model.fitsearch.history import MAX_HISTORY_OPS, HistoryError, check_matches, load_history
 
     bound = args.max_history_ops or MAX_HISTORY_OPS
     source = args.history
@@ -376,10 +376,10 @@ def _history(args: argparse.Namespace, path: Path, state: Any, max_bytes: int) -
 def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Path, where: str, state: Any,
          max_bytes: int, history: Any = None, hook: dict[str, Any] | None = None) -> int:
     from telemetry.model.allocsim.cli import write_stdout
+    from telemetry.model.fitsearch.search import DEFAULT_TOP, Problem, suggest_utilization, tune
+    from telemetry.model.fitsearch.space import expand, process_setting
+    from telemetry.model.fitsearch.verify import SnapshotSource, verify
     from telemetry.model.indexer.prefill import LaunchPattern
-    from telemetry.model.tune.search import DEFAULT_TOP, Problem, suggest_utilization, tune
-    from telemetry.model.tune.space import expand, process_setting
-    from telemetry.model.tune.verify import SnapshotSource, verify
     from telemetry.tune.engines import apply_settings, modes, paste_lines
 
     process_conf = args.alloc_conf if args.alloc_conf is not None else (state.alloc_conf or "")

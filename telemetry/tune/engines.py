@@ -14,10 +14,10 @@ from typing import Any
 from telemetry.engines import ENGINES as REGISTERED
 from telemetry.engines.registry import Engine, Tuning
 from telemetry.errors import ConfigError
+from telemetry.model.fitsearch.space import Setting
+from telemetry.model.fitsearch.verify import ALLOC_CONF_VARIABLE
 from telemetry.model.indexer.planner import MODES
 from telemetry.model.indexer.shape import budget_mib_text
-from telemetry.model.tune.space import Setting
-from telemetry.model.tune.verify import ALLOC_CONF_VARIABLE
 
 ENGINES: dict[str, Engine] = {engine.name: engine for engine in REGISTERED if engine.tuning is not None}
 

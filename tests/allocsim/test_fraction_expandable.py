@@ -18,9 +18,9 @@ import pytest
 
 from telemetry.model.allocsim.simulator import CachingAllocatorSim
 from telemetry.model.allocsim.snapshot import read_allocator_state
+from telemetry.model.fitsearch.search import Problem, _Counter, _simulate, evaluate
+from telemetry.model.fitsearch.space import Setting
 from telemetry.model.indexer.shape import MIB, IndexerShape
-from telemetry.model.tune.search import Problem, _Counter, _simulate, evaluate
-from telemetry.model.tune.space import Setting
 
 TOTAL = 1000 * MIB
 REPO = Path(__file__).resolve().parents[2]

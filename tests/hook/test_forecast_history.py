@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry
 from telemetry.allocator_counters import AllocatorCounters
 from telemetry.hook.exporter import snapshot_answer, start_exporter
 from telemetry.hook.forecast.history import AllocationHistory, from_torch_trace, keep_history
+from telemetry.model.fitsearch.history import history_from_ops, replay
+from telemetry.model.fitsearch.rebuild import layout
 from telemetry.model.indexer.prefill import LaunchPattern, run_prefill
 from telemetry.model.indexer.shape import MIB, IndexerShape
-from telemetry.model.tune.history import history_from_ops, replay
-from telemetry.model.tune.rebuild import layout
 from tests.support.cli import call_main
 
 SHAPE = IndexerShape(layers=2, chunk=2048, compress_ratio=4, max_model_len=65_536, logits_budget_bytes=64 * MIB,

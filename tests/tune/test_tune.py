@@ -14,12 +14,12 @@ import pytest
 from telemetry.cli import main
 from telemetry.model.allocsim.config import parse_alloc_conf
 from telemetry.model.allocsim.snapshot import load_allocator_state, read_allocator_state
+from telemetry.model.fitsearch.rebuild import compare, rebuild
+from telemetry.model.fitsearch.search import Outcome, Problem, evaluate, tune
+from telemetry.model.fitsearch.space import SearchSpace, SearchSpaceError, expand, process_setting
+from telemetry.model.fitsearch.verify import SnapshotSource, run_probe
 from telemetry.model.indexer.backends import SimBackend
 from telemetry.model.indexer.shape import MIB, IndexerShape
-from telemetry.model.tune.rebuild import compare, rebuild
-from telemetry.model.tune.search import Outcome, Problem, evaluate, tune
-from telemetry.model.tune.space import SearchSpace, SearchSpaceError, expand, process_setting
-from telemetry.model.tune.verify import SnapshotSource, run_probe
 from telemetry.tune.engines import ENGINES, apply_settings, modes, paste_lines
 
 SNAPSHOTS = Path(__file__).resolve().parents[1] / "fixtures" / "allocator-snapshots" / "h200-torch2.11"

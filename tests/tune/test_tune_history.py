@@ -1,4 +1,4 @@
-"""`memtel tune` with the process's allocation history (telemetry/model/tune/history.py): each setting from the
+"""`memtel tune` with the process's allocation history (telemetry/model/fitsearch/history.py): each setting from the
 history replayed under it, against shared/data/tune-truth (one history run for real under seven settings on an
 H200); without the history, a setting that changes the layout is a best case; bad histories are one line."""
 
@@ -12,11 +12,18 @@ import pytest
 
 from telemetry.model.allocsim.snapshot import read_allocator_state
 from telemetry.model.allocsim.trace import load_trace
+from telemetry.model.fitsearch.history import (
+    History,
+    HistoryError,
+    check_matches,
+    history_from_ops,
+    load_history,
+    replay,
+)
+from telemetry.model.fitsearch.search import Problem, evaluate, tune
+from telemetry.model.fitsearch.space import SearchSpace, Setting, expand, process_setting
 from telemetry.model.indexer.prefill import LaunchPattern
 from telemetry.model.indexer.shape import MIB, IndexerShape
-from telemetry.model.tune.history import History, HistoryError, check_matches, history_from_ops, load_history, replay
-from telemetry.model.tune.search import Problem, evaluate, tune
-from telemetry.model.tune.space import SearchSpace, Setting, expand, process_setting
 from tests.support.cli import call_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,7 +197,7 @@ def test_a_trace_brings_its_own_history() -> None:
 def test_a_history_that_does_not_rebuild_todays_state_is_said(base: dict, history: History) -> None:
     """Replayed under today's settings the history must leave the snapshot's reserved bytes; one that does not
     (here an empty_cache() the process never called) is said with the answer."""
-    from telemetry.model.tune.search import history_check
+    from telemetry.model.fitsearch.search import history_check
 
     setting = process_setting(_shape(base), "", "stock")
     assert history_check(_problem(base, history), setting) is None

@@ -14,9 +14,9 @@ from telemetry.errors import ConfigError, RunError
 from telemetry.hook.exporter import snapshot_answer, start_exporter
 from telemetry.model.allocsim.config import AllocatorConfigError, parse_alloc_conf
 from telemetry.model.allocsim.snapshot import read_allocator_state
+from telemetry.model.fitsearch.space import SearchSpace, expand
 from telemetry.model.indexer.backends import SimBackend
 from telemetry.model.indexer.shape import MIB, IndexerShape
-from telemetry.model.tune.space import SearchSpace, expand
 from telemetry.tune.hook_snapshot import fetch_snapshot, hook_endpoint
 
 LIMITS = {"device": None, "max_bytes": 1 << 20, "max_objects": 100_000, "max_blocks": 10_000}
@@ -117,9 +117,9 @@ def test_max_split_size_follows_torch_2_11() -> None:
 
 
 def test_the_cuda_probe_needs_the_fraction_cap(tmp_path: Path) -> None:
-    from telemetry.model.tune.search import Outcome, Problem
-    from telemetry.model.tune.space import process_setting
-    from telemetry.model.tune.verify import SnapshotSource, verify
+    from telemetry.model.fitsearch.search import Outcome, Problem
+    from telemetry.model.fitsearch.space import process_setting
+    from telemetry.model.fitsearch.verify import SnapshotSource, verify
 
     state = read_allocator_state(sim_segments())
     shape = IndexerShape(layers=1, chunk=1024, max_model_len=4096)
@@ -133,8 +133,8 @@ def test_when_the_top_fits_max_model_len_more_launches_are_ruled_out_unscreened(
     """With memory to spare, the top fills with settings that fit max-model-len; the rest with more launches
     are ruled out without a screen, and the top is the brute force's to the last field of the rank."""
     from telemetry.model.allocsim.snapshot import load_allocator_state
-    from telemetry.model.tune.search import Outcome, Problem, evaluate, tune
-    from telemetry.model.tune.space import process_setting
+    from telemetry.model.fitsearch.search import Outcome, Problem, evaluate, tune
+    from telemetry.model.fitsearch.space import process_setting
 
     from .test_tune import SHAPE, SMALL_SPACE, SNAPSHOT
 

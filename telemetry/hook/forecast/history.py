@@ -2,7 +2,7 @@
 
 `AllocationHistory` takes every allocation and free the allocator makes, in order (`alloc(key, nbytes)`,
 `free(key)`; a key is the block's address, unique while live), and keeps them as ops
-``["a", id, nbytes]`` / ``["f", id]`` (telemetry/model/tune/history.py reads them).
+``["a", id, nbytes]`` / ``["f", id]`` (telemetry/model/fitsearch/history.py reads them).
 
 Compaction: a serving engine repeats itself (one prefill's launches are the next one's), so the history is
 cut into episodes, windows that start with nothing of their own live and end when all they allocated is freed,
@@ -33,7 +33,7 @@ from typing import Any
 
 from telemetry import hook_env
 
-MAX_HISTORY_OPS = 2_000_000      # ops kept after compaction (the replay's bound, telemetry/model/tune/history.py)
+MAX_HISTORY_OPS = 2_000_000      # ops kept after compaction (the replay's bound, telemetry/model/fitsearch/history.py)
 HISTORY_ENV = hook_env.HOOK_HISTORY
 TORCH_MAX_ENTRIES = 4_000_000    # torch's ring of trace entries when the hook records on CUDA
 

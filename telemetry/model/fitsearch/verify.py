@@ -3,7 +3,7 @@
 Per setting, with N its predicted longest fit: a prefill of N tokens must fit and one of N + 1 must run out of
 memory (the real longest fit is then N, as predicted; below max-model-len), and a prefill of the target length
 gives the real peak reserved and its time. Each probe is a fresh Python process (`python -m
-telemetry.model.tune.verify`, a JSON request on stdin) whose environment carries the setting's
+telemetry.model.fitsearch.verify`, a JSON request on stdin) whose environment carries the setting's
 `PYTORCH_CUDA_ALLOC_CONF`, as the lines to paste would:
 
 - `cuda`: the process starts under the snapshot's own allocator settings, rebuilds the snapshot's state by
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from telemetry.errors import RunError
+from telemetry.model.fitsearch.search import Outcome, Problem, simulated_limit
 from telemetry.model.indexer.prefill import LaunchPattern
 from telemetry.model.indexer.shape import IndexerShape
-from telemetry.model.tune.search import Outcome, Problem, simulated_limit
 
 ALLOC_CONF_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
 PROBE_TIMEOUT_S = 300.0
@@ -108,7 +108,7 @@ def run_probe(problem: Problem, source: SnapshotSource, outcome: Outcome, tokens
     # snapshot's settings, rebuilds the state, then switches to the setting's (module docstring).
     env[ALLOC_CONF_VARIABLE] = outcome.setting.alloc_conf if allocator == "sim" else request["process_alloc_conf"]
     try:
-        done = subprocess.run([sys.executable, "-m", "telemetry.model.tune.verify"], input=json.dumps(request),
+        done = subprocess.run([sys.executable, "-m", "telemetry.model.fitsearch.verify"], input=json.dumps(request),
                               capture_output=True, text=True, env=env, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         raise RunError(f"verify: a {tokens:,}-token probe of {outcome.setting.label()} ran past {timeout:.0f} s") \
@@ -213,9 +213,9 @@ def _sim_probe(request: dict[str, Any], shape: IndexerShape, pattern: LaunchPatt
 
 def _cuda_probe(request: dict[str, Any], shape: IndexerShape, pattern: LaunchPattern) -> Probe:
     from telemetry.model.allocsim.snapshot import read_allocator_state
+    from telemetry.model.fitsearch.rebuild import compare, rebuild
     from telemetry.model.indexer.backends import CudaBackend
     from telemetry.model.indexer.prefill import run_prefill
-    from telemetry.model.tune.rebuild import compare, rebuild
 
     if request["process_alloc_conf"]:
         # _set_allocator_settings changes only the keys it names: from other settings than the defaults a

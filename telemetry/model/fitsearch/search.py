@@ -36,13 +36,13 @@ from telemetry.errors import ConfigError
 from telemetry.model.allocsim.cap import CAPS, capped
 from telemetry.model.allocsim.config import parse_alloc_conf
 from telemetry.model.allocsim.snapshot import AllocatorState
+from telemetry.model.fitsearch.history import History, SimulatedOutOfMemoryError, replay
+from telemetry.model.fitsearch.space import Expanded, Setting
 from telemetry.model.indexer.fit import MaxFit, max_prefill_tokens
 from telemetry.model.indexer.forecast import Forecast, simulate_prefill
 from telemetry.model.indexer.planner import check_mode, plan_prefill
 from telemetry.model.indexer.prefill import LaunchPattern
 from telemetry.model.indexer.shape import FLOAT32_BYTES, MAX_BUDGET_BYTES, IndexerShape
-from telemetry.model.tune.history import History, SimulatedOutOfMemoryError, replay
-from telemetry.model.tune.space import Expanded, Setting
 
 DEFAULT_TOP = 5
 
