@@ -74,8 +74,8 @@ def _bool(text: str) -> bool:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from telemetry.argtypes import bounded_float, bounded_int
+    from telemetry.command_helpers import add_snapshot_arguments
     from telemetry.limits import MAX_CAPACITY_GIB, MAX_PREFILL_TOKENS
-    from telemetry.model.allocsim.cli import add_snapshot_arguments
     from telemetry.model.indexer.planner import MODES
     from telemetry.model.indexer.shape import add_shape_arguments
     from telemetry.tune.engines import ENGINES
@@ -308,7 +308,7 @@ def write_plot(result: Any, path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telemetry.model.allocsim.cli import max_file_bytes
+    from telemetry.command_helpers import max_file_bytes
     from telemetry.model.allocsim.snapshot import load_allocator_state
     from telemetry.model.indexer.shape import shape_from_args
     from telemetry.tune.engines import ENGINES, engine_of_preset, modes
@@ -375,7 +375,7 @@ def _history(args: argparse.Namespace, path: Path, state: Any, max_bytes: int) -
 
 def _run(args: argparse.Namespace, engine: Any, shape: Any, space: Any, path: Path, where: str, state: Any,
          max_bytes: int, history: Any = None, hook: dict[str, Any] | None = None) -> int:
-    from telemetry.model.allocsim.cli import write_stdout
+    from telemetry.command_helpers import write_stdout
     from telemetry.model.fitsearch.search import DEFAULT_TOP, Problem, suggest_utilization, tune
     from telemetry.model.fitsearch.space import expand, process_setting
     from telemetry.model.fitsearch.verify import SnapshotSource, verify

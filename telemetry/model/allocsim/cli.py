@@ -15,50 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from telemetry.argtypes import bounded_float, bounded_int
-from telemetry.errors import ConfigError
-from telemetry.limits import MAX_CAPACITY_GIB, MAX_OP_FILE_BYTES, MAX_SNAPSHOT_BLOCKS, MAX_SNAPSHOT_OBJECTS
+from telemetry.argtypes import bounded_float
+from telemetry.command_helpers import GIB, add_snapshot_arguments, max_file_bytes, write_stdout
+from telemetry.limits import MAX_CAPACITY_GIB, MAX_OP_FILE_BYTES
 from telemetry.model.allocsim.ops import OpFileError, first_mismatch, load_op_file, parse_op_json, replay_cases
-from telemetry.model.allocsim.snapshot_file import DEFAULT_MAX_BYTES
-
-MAX_FILE_GIB = 1024.0  # --max-file-gb: the file is read into memory
-
-GIB = 1024**3
-
-
-def add_snapshot_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--device`, `--max-file-gb`, `--max-objects` and `--max-blocks`: the commands that read snapshots and traces."""
-    parser.add_argument("--device", type=bounded_int(0, 1023), default=None,
-                        help="the CUDA device to take from a snapshot of several devices")
-    parser.add_argument("--max-file-gb", type=bounded_float(0, MAX_FILE_GIB, above_minimum=True),
-                        default=DEFAULT_MAX_BYTES / GIB,
-                        help="refuse snapshot files larger than this many GiB, before reading "
-                             f"(default {DEFAULT_MAX_BYTES // GIB})")
-    parser.add_argument("--max-objects", type=bounded_int(1, 10**9), default=MAX_SNAPSHOT_OBJECTS, metavar="N",
-                        help="refuse snapshot files that hold more objects than this (dicts, lists and tuples "
-                             f"while reading, and trace entries) (default {MAX_SNAPSHOT_OBJECTS:,})")
-    parser.add_argument("--max-blocks", type=bounded_int(1, 10**9), default=MAX_SNAPSHOT_BLOCKS, metavar="N",
-                        help="refuse snapshots of more segments and blocks than this, shared ones counted each "
-                             f"time (default {MAX_SNAPSHOT_BLOCKS:,})")
-
-
-def write_stdout(text: str) -> None:
-    """Print `text`; a reader that left early (`| head`) is not an error."""
-    try:
-        sys.stdout.write(text if text.endswith("\n") else text + "\n")
-        sys.stdout.flush()
-    except BrokenPipeError:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep the interpreter's final flush quiet
-
-
-def max_file_bytes(args: argparse.Namespace) -> int:
-    if not args.max_file_gb > 0:
-        raise ConfigError(f"--max-file-gb must be > 0, got {args.max_file_gb}")
-    return int(args.max_file_gb * GIB)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 
 from telemetry.argtypes import bounded_float
+from telemetry.command_helpers import GIB, add_snapshot_arguments, max_file_bytes, write_stdout
 from telemetry.errors import ConfigError, RunError
 from telemetry.limits import MAX_CAPACITY_GIB
-from telemetry.model.allocsim.cli import GIB, add_snapshot_arguments, max_file_bytes, write_stdout
 from telemetry.model.allocsim.config import parse_alloc_conf
 
 

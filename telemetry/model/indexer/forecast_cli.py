@@ -43,8 +43,8 @@ def _token_list(text: str) -> list[int]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from telemetry.argtypes import bounded_float
+    from telemetry.command_helpers import add_snapshot_arguments
     from telemetry.limits import MAX_CAPACITY_GIB, MAX_TRANSIENT_MIB
-    from telemetry.model.allocsim.cli import add_snapshot_arguments
     from telemetry.model.indexer.shape import add_shape_arguments
 
     parser.add_argument("--snapshot", type=Path, required=True, metavar="SNAP",
@@ -110,7 +110,7 @@ def format_table(state: AllocatorState, shape: IndexerShape, results: list[Forec
 
 
 def run(args: argparse.Namespace) -> int:
-    from telemetry.model.allocsim.cli import GIB, max_file_bytes, write_stdout
+    from telemetry.command_helpers import GIB, max_file_bytes, write_stdout
     from telemetry.model.allocsim.config import parse_alloc_conf
     from telemetry.model.allocsim.snapshot import load_allocator_state
     from telemetry.model.indexer.shape import shape_from_args
