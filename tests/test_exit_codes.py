@@ -101,8 +101,9 @@ def test_a_source_that_does_not_answer_is_1():
     assert call_main(["top", "--once", "--daemon", url]).returncode == 1
 
 
-def _interrupted(argv: list[str], ready: str, tmp_path: Path, timeout_s: float) -> int:
-    """`memtel ARGV` as a console script, SIGINT once its log says `ready`; its exit status."""
+def _interrupted(argv: list[str], ready: str, tmp_path: Path, timeout_s: float,
+                 signum: signal.Signals = signal.SIGINT) -> int:
+    """`memtel ARGV` as a console script, `signum` (SIGINT) once its log says `ready`; its exit status."""
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "telemetry", *argv], stdout=out, stderr=subprocess.STDOUT,
@@ -113,7 +114,7 @@ def _interrupted(argv: list[str], ready: str, tmp_path: Path, timeout_s: float) 
         while ready not in log.read_text(errors="replace"):
             assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
             time.sleep(0.05)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signum)
         return process.wait(timeout=30)
     finally:
         if process.poll() is None:
@@ -125,6 +126,13 @@ def test_ctrl_c_exits_130_in_the_daemon(tmp_path):
     argv = ["daemon", "--listen", "127.0.0.1:0", "--disable-collector", "kmsg", "--disable-collector", "nvml",
             "--no-flight-recorder"]
     assert _interrupted(argv, "memtel daemon listening on", tmp_path, 30) == INTERRUPTED
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, INTERRUPTED), (signal.SIGTERM, 0)])
+def test_ctrl_c_exits_130_in_the_guard_and_sigterm_0(tmp_path, signum, status):
+    nowhere = f"http://127.0.0.1:{free_port()}"  # the guard starts without its upstream or hooks answering
+    argv = ["guard", "--upstream", nowhere, "--hooks", nowhere, "--listen", "127.0.0.1:0"]
+    assert _interrupted(argv, "memtel guard on http://", tmp_path, 30, signum) == status
 
 
 @pytest.mark.slow  # a lab server with one rank starts: seconds on a busy 2-core machine

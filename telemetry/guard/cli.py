@@ -21,6 +21,7 @@ import signal
 
 from telemetry import hook_env
 from telemetry.argtypes import add_log_level, bounded_float, bounded_int
+from telemetry.errors import INTERRUPTED
 from telemetry.exporter import MetricsServer, format_listen, listen_failed, parse_listen
 from telemetry.exporter.metrics import ExporterCollector
 from telemetry.guard.bounds import DEFAULT_QUEUE_S
@@ -97,9 +98,15 @@ async def _serve(proxy: GuardProxy, host: str, port: int, server: MetricsServer 
     except OSError as exc:
         raise listen_failed(host, port, exc) from None
     stop = asyncio.Event()
+    received: list[signal.Signals] = []
     loop = asyncio.get_running_loop()
+
+    def stop_on(signum: signal.Signals) -> None:
+        received.append(signum)
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, stop_on, signum)
     poll_s = min(1.0, stale_s / 3)
     timeout_s = max(0.2, min(5.0, stale_s / 2))
     tasks = [asyncio.create_task(scrape_forever(r.tracker, poll_s, timeout_s)) for r in proxy.replicas]
@@ -118,7 +125,7 @@ async def _serve(proxy: GuardProxy, host: str, port: int, server: MetricsServer 
         await asyncio.gather(*tasks, return_exceptions=True)
         await proxy.stop()
     log.info("memtel guard stopped")
-    return 0
+    return INTERRUPTED if received[:1] == [signal.SIGINT] else 0  # Ctrl-C: 130 as every command; SIGTERM: 0
 
 
 __all__ = ["MAX_HOOKS", "configure", "hook_targets", "run"]
