@@ -33,6 +33,10 @@ from telemetry.guard.replicas import MAX_HOOKS, engines, hook_targets
 log = logging.getLogger("memtel.guard")
 
 DEFAULT_STALE_S = 15.0  # three of the hook's default 5 s forecast cycles
+# Under a second every forecast (the hook's cycle is 5 s, its scrape up to a second's latency) would be stale:
+# the guard blind for good, with nothing said. As MEMTEL_LITELLM_STALE_S.
+MIN_STALE_S = 1.0
+MAX_STALE_S = 86400.0
 MAX_RESERVE_MB = 16 << 20  # 16 TiB
 MAX_QUEUE_S = 3600.0
 MAX_QUEUED = 100_000
@@ -61,8 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserve-mb", type=bounded_float(0, MAX_RESERVE_MB), default=0.0,
                         help="keep this much more of each rank's budget free (default 0: the hook's budget already "
                              f"leaves {hook_env.GUARD_RESERVE_MB})")
-    parser.add_argument("--stale-s", type=bounded_float(0, 86400, above_minimum=True), default=DEFAULT_STALE_S,
-                        help=f"a hook's forecast older than this is not used (default {DEFAULT_STALE_S:g})")
+    parser.add_argument("--stale-s", type=bounded_float(MIN_STALE_S, MAX_STALE_S), default=DEFAULT_STALE_S,
+                        help=f"a hook's forecast older than this is not used (default {DEFAULT_STALE_S:g}; "
+                             f"{MIN_STALE_S:g} to {MAX_STALE_S:g})")
     parser.add_argument("--when-blind", choices=WHEN_BLIND, default="admit",
                         help="what to do with completion requests while no hook is fresh (default admit)")
     parser.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",

@@ -32,6 +32,9 @@ from tests.support.ports import free_port_block
     (["--upstream", "http://h:1", "--listen", "127.0.0.1:0", "--hooks", "http://a:1,,http://b:2"], "--hooks"),
     (["--upstream", "http://h:1", "--listen", "127.0.0.1:0", "--hooks", "http://a:1,http://a:1"], "twice"),
     (["--upstream", "http://h:1", "--listen", "127.0.0.1:0", "--hooks", "http://a:1", "--stale-s", "0"], "--stale-s"),
+    # Under a second every forecast would be stale: the guard blind for good (issue 41).
+    (["--upstream", "http://h:1", "--listen", "127.0.0.1:0", "--hooks", "http://a:1", "--stale-s", "1e-9"],
+     "--stale-s"),
     # On an address of no interface: were the flag taken, the command would fail at once instead of serving.
     (["--upstream", "http://h:1", "--listen", "192.0.2.1:9", "--hooks", "http://a:1", "--reserve-mb", "nan"],
      "--reserve-mb"),
@@ -183,7 +186,7 @@ def test_the_command_serves_two_replicas_with_its_metrics_and_stops_on_sigterm(u
     try:
         run = call_main(["guard", "--replica", f"{upstream.url}={hooks[0].url}", "--replica",
                          f"{sick.url}={hooks[1].url}", "--listen", f"127.0.0.1:{port}", "--metrics-listen",
-                         f"127.0.0.1:{metrics}", "--reserve-mb", "4096", "--stale-s", "0.6"])
+                         f"127.0.0.1:{metrics}", "--reserve-mb", "4096", "--stale-s", "1"])
     finally:
         done.set()
         thread.join(30)
