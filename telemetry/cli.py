@@ -18,30 +18,36 @@ from typing import Any, NoReturn
 
 from telemetry.commands import Command, registered_commands
 
-# telemetry's commands: name -> (module, one-line help). Order is the order shown by `memtel --help`; the
-# commands registered by other packages (`memtel.commands` entry points) follow.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "daemon": ("telemetry.daemon.main", "run the node exporter: host memory, swap, PSI, NVML, kernel log"),
-    "flight": ("telemetry.flight.cli", "show the flight recorder's last records (this boot or the previous one)"),
-    "alerts": ("telemetry.alerts.cli", "score alert rules against timelines of real outcomes; burn them in here"),
-    "run": ("telemetry.run.cli", "run any Python program with the hook in it and in every Python process it starts"),
-    "ledger": ("telemetry.ledger.cli", "where the memory is: per node, then per process (weights, KV, outside...)"),
-    "top": ("telemetry.ledger.top", "the ledger live in the terminal: headroom, processes, growth, kernel log"),
-    "guard": ("telemetry.guard.cli", "an OpenAI-compatible proxy that refuses prompts whose prefill would not fit"),
-    "allocsim": ("telemetry.model.allocsim.cli", "replay an op file on the caching-allocator simulator"),
-    "replay": ("telemetry.model.indexer.replay",
-               "replay the sparse indexer's logits allocations alone (cuda or sim)"),
-    "forecast": ("telemetry.model.indexer.forecast_cli",
-                 "forecast the next prefill's reserved growth from an allocator snapshot"),
-    "tune": ("telemetry.tune.cli", "search allocator, budget and chunk settings for the longest prefill that fits"),
-    "whatif": ("telemetry.model.allocsim.whatif_cli",
-               "replay a recorded memory history under other allocator settings"),
+# telemetry's commands, one `Command` each (its module holds `configure(parser)` and `run(args)`). Order is the
+# order shown by `memtel --help`; the commands registered by other packages (`memtel.commands` entry points) follow.
+COMMANDS: dict[str, Command] = {
+    "daemon": Command("telemetry.daemon.main", "run the node exporter: host memory, swap, PSI, NVML, kernel log"),
+    "flight": Command("telemetry.flight.cli",
+                      "show the flight recorder's last records (this boot or the previous one)"),
+    "alerts": Command("telemetry.alerts.cli",
+                      "score alert rules against timelines of real outcomes; burn them in here"),
+    "run": Command("telemetry.run.cli",
+                   "run any Python program with the hook in it and in every Python process it starts"),
+    "ledger": Command("telemetry.ledger.cli",
+                      "where the memory is: per node, then per process (weights, KV, outside...)"),
+    "top": Command("telemetry.ledger.top", "the ledger live in the terminal: headroom, processes, growth, kernel log"),
+    "guard": Command("telemetry.guard.cli",
+                     "an OpenAI-compatible proxy that refuses prompts whose prefill would not fit"),
+    "allocsim": Command("telemetry.model.allocsim.cli", "replay an op file on the caching-allocator simulator"),
+    "replay": Command("telemetry.model.indexer.replay_cli",
+                      "replay the sparse indexer's logits allocations alone (cuda or sim)"),
+    "forecast": Command("telemetry.model.indexer.forecast_cli",
+                        "forecast the next prefill's reserved growth from an allocator snapshot"),
+    "tune": Command("telemetry.tune.cli",
+                    "search allocator, budget and chunk settings for the longest prefill that fits"),
+    "whatif": Command("telemetry.model.allocsim.whatif_cli",
+                      "replay a recorded memory history under other allocator settings"),
 }
 
 
 def all_commands() -> dict[str, Command]:
     """Every command: telemetry's, then those other installed packages register (a name of telemetry's wins)."""
-    commands = {name: Command(module, help_text) for name, (module, help_text) in COMMANDS.items()}
+    commands = dict(COMMANDS)
     for name, command in registered_commands().items():
         commands.setdefault(name, command)
     return commands
