@@ -9,10 +9,11 @@ kept as at_best.py says). A rank is fresh while its hook answered within `stale_
 than `stale_s`. The limit is the smallest fresh rank's tokens (cut by `reserve_bytes`, see `RankFit.tokens`), less
 the tokens of admitted requests still in their prefill (`hold`/`release`). No fresh rank: blind.
 
-A hook is not trusted further than its gauges make sense: a rank whose tokens or budget is NaN, infinite or
-negative, or whose forecast time is missing, not a positive finite number, or in the future, is not fresh, and
-`why_blind` says why. A hook that answers but exports no forecast at all (an engine started without the forecast)
-is said to be so, with the variable that turns it on (`NO_GAUGE_HINT`).
+A hook is not trusted further than its gauges make sense: a rank whose tokens or budget is NaN, infinite,
+negative or past what a node can have (tokens over `MAX_TOKENS`, bytes over `MAX_NODE_BYTES`), or whose forecast
+time is missing, not a positive finite number, or in the future, is not fresh, and `why_blind` says why: one
+absurd gauge never reaches the limit's arithmetic. A hook that answers but exports no forecast at all (an engine
+started without the forecast) is said to be so, with the variable that turns it on (`NO_GAUGE_HINT`).
 
 Pure: the caller reads the hooks and the clocks; every method that depends on time takes `now` (monotonic) and
 `wall` (unix time, the hooks' forecast stamps).
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from telemetry import hook_env
 from telemetry.admission.at_best import AT_BEST_WINDOW_S, AtBestBook
 from telemetry.catalogue import metrics as catalogue
+from telemetry.errors import printable
 from telemetry.scrape import parse
 from telemetry.url import Endpoint
 
@@ -39,6 +41,11 @@ _WANTED = (catalogue.FORECAST_MAX_PREFILL_TOKENS, catalogue.FORECAST_FIT_BUDGET,
 # How far ahead of the guard's clock a forecast's timestamp may be (the hooks' nodes' clocks, NTP-synced,
 # differ by milliseconds); further ahead, the timestamp is wrong and would never age.
 FUTURE_SLACK_S = 2.0
+# What a hook may say and still be believed: a prompt's tokens fit in 2^31, and no node has 16 TiB of memory
+# (as `memtel guard --reserve-mb`'s ceiling). Past these, a gauge is a broken or hostile exporter's.
+MAX_TOKENS = 1 << 31
+MAX_NODE_BYTES = float(1 << 44)
+MAX_LABEL_CHARS = 64  # a rank's or node's label as quoted (a host name is at most 63 characters a part)
 # What a hook that answers without the gauge lacks: its engine runs without the forecast (docs/guard.md).
 NO_GAUGE_HINT = ("its engine runs without the forecast: start it with the memtel hook on a known engine (vLLM, "
                  f"SGLang, the lab) or set {hook_env.FORECAST_TOKENS}")
@@ -109,8 +116,9 @@ def parse_fits(text: str) -> list[RankFit]:
     return parse_hook(text)[0]
 
 
-def _bad(value: float | None, *, positive: bool = False) -> bool:
-    return value is not None and (not math.isfinite(value) or value < 0 or (positive and value == 0))
+def _bad(value: float | None, *, positive: bool = False, most: float = math.inf) -> bool:
+    return value is not None and (not math.isfinite(value) or value < 0 or (positive and value == 0)
+                                  or value > most)
 
 
 def parse_hook(text: str) -> tuple[list[RankFit], list[str]]:
@@ -119,10 +127,12 @@ def parse_hook(text: str) -> tuple[list[RankFit], list[str]]:
     values: dict[tuple[str, str], dict[str, float]] = {}
     growth: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for sample in parse(text, only=_WANTED).samples:   # the other lines are not parsed
-        key = (sample.labels.get("rank", ""), sample.labels.get("node", ""))
+        # The labels reach refusals, /health and the log: escaped and cut here, once (a hook's text is outside's).
+        key = (printable(sample.labels.get("rank", ""), MAX_LABEL_CHARS),
+               printable(sample.labels.get("node", ""), MAX_LABEL_CHARS))
         if sample.name == GROWTH:
             length = sample.labels.get("tokens", "")
-            if length.isdigit() and len(length) <= 18 and math.isfinite(sample.value) and sample.value >= 0:
+            if length.isdigit() and len(length) <= 18 and not _bad(sample.value, most=MAX_NODE_BYTES):
                 growth.setdefault(key, []).append((int(length), sample.value))
         elif sample.name in (MAX_PREFILL, FIT_BUDGET, LAST_SUCCESS, AT_BEST):
             values.setdefault(key, {})[sample.name] = sample.value
@@ -132,11 +142,11 @@ def parse_hook(text: str) -> tuple[list[RankFit], list[str]]:
         at_best = found.get(AT_BEST)
         if tokens is None:
             continue
-        bad = [f"{name} is {value:g}" for name, value, positive in ((MAX_PREFILL, tokens, False),
-                                                                   (FIT_BUDGET, budget, False),
-                                                                   (LAST_SUCCESS, at, True),
-                                                                   (AT_BEST, at_best, False))
-               if _bad(value, positive=positive)]
+        bad = [f"{name} is {value:g}" for name, value, positive, most in ((MAX_PREFILL, tokens, False, MAX_TOKENS),
+                                                                         (FIT_BUDGET, budget, False, MAX_NODE_BYTES),
+                                                                         (LAST_SUCCESS, at, True, math.inf),
+                                                                         (AT_BEST, at_best, False, MAX_TOKENS))
+               if _bad(value, positive=positive, most=most)]
         if bad:
             rejected.append(f"rank {rank} on node {node}: {', '.join(bad)}")
             continue
@@ -276,5 +286,5 @@ class Readings:
             self._blind_since = now
 
 
-__all__ = ["AT_BEST", "FIT_BUDGET", "GROWTH", "LAST_SUCCESS", "MAX_PREFILL", "NO_GAUGE_HINT", "HookReading", "Limit",
-           "RankFit", "Readings", "parse_fits", "parse_hook"]
+__all__ = ["AT_BEST", "FIT_BUDGET", "GROWTH", "LAST_SUCCESS", "MAX_NODE_BYTES", "MAX_PREFILL", "MAX_TOKENS",
+           "NO_GAUGE_HINT", "HookReading", "Limit", "RankFit", "Readings", "parse_fits", "parse_hook"]

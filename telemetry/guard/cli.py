@@ -21,7 +21,7 @@ import signal
 
 from telemetry import hook_env
 from telemetry.argtypes import add_log_level, bounded_float, bounded_int
-from telemetry.errors import INTERRUPTED
+from telemetry.errors import INTERRUPTED, printable
 from telemetry.exporter import MetricsServer, format_listen, listen_failed, parse_listen
 from telemetry.exporter.metrics import ExporterCollector
 from telemetry.guard.bounds import DEFAULT_QUEUE_S
@@ -122,13 +122,21 @@ async def _serve(proxy: GuardProxy, host: str, port: int, server: MetricsServer 
     log.info("memtel guard on http://%s in front of %s, reading %d hook(s); metrics %s", format_listen(host, bound),
              ", ".join(r.name for r in proxy.replicas), sum(len(r.tracker.hooks) for r in proxy.replicas),
              server.url + "/metrics" if server else "not served")
+    stopped = asyncio.create_task(stop.wait())
     try:
-        await stop.wait()
+        # The scrapes and the health polls go on by themselves (supervised); one that ends all the same would
+        # leave the guard deciding on readings nobody updates: the guard exits 1 instead, said in one line.
+        await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in tasks:
+        for task in [stopped, *tasks]:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        ended = await asyncio.gather(*tasks, return_exceptions=True)
         await proxy.stop()
+    if not stop.is_set():
+        why = next((repr(e) for e in ended if isinstance(e, Exception)), "ended")
+        log.error("memtel guard: a background task (hook scrapes, health polls) stopped: %s; exiting",
+                  printable(why, 200))
+        return 1
     log.info("memtel guard stopped")
     return INTERRUPTED if received[:1] == [signal.SIGINT] else 0  # Ctrl-C: 130 as every command; SIGTERM: 0
 

@@ -4,6 +4,11 @@ core's `Readings` (telemetry/admission/readings.py says what is read and when a 
 `LimitTracker` is those readings with the clocks read here, the blind episodes logged, and listeners woken (the
 guard's queue) whenever the limit may have risen. A hook's answer is read through h11 (at most `MAX_METRICS_BYTES`)
 and parsed in a worker thread, so a large one does not stall the event loop that serves the clients.
+
+The scrapes are supervised (`scrape_forever`): a failure that is not the hook's own (an error in the readings'
+arithmetic, say) is logged once per kind, counted as that hook's failed scrape, and its forecast forgotten, so the
+guard is blind for it (and says so in /metrics and /health) rather than going on with a limit it no longer reads;
+the scrapes go on.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from telemetry.admission.readings import (
     parse_fits,
     parse_hook,
 )
+from telemetry.errors import printable
 from telemetry.guard.http import ClientSide, UpstreamError, open_channel
 from telemetry.url import Endpoint
 
@@ -50,6 +56,7 @@ class LimitTracker(Readings):
         self.published_fresh = 0
         self.published_at_best: AtBest | None = None  # `at_best()` after each round of scrapes
         self.warned_without_gauge: set[str] = set()  # hooks already logged as answering without the gauge
+        self.logged_failures: set[str] = set()  # kinds of scrape failure not the hook's, each logged once
         # Called on the loop whenever the limit may have changed (a hook's scrape, a hold released): the guard's
         # queue wakes its waiters from here instead of polling.
         self._listeners: list[Callable[[], None]] = []
@@ -70,6 +77,17 @@ class LimitTracker(Readings):
             self.warned_without_gauge.add(hook.target.url)
             log.error("memtel guard: the hook %s answers but exports no %s: %s; until it does, the guard is blind "
                       "for its ranks and --when-blind decides", hook.target.url, MAX_PREFILL, NO_GAUGE_HINT)
+
+    def failed(self, hook: HookReading, exc: Exception) -> None:
+        """A scrape of `hook` failed in the guard's own work on its answer: its forecast is forgotten (blind for
+        its ranks, not a limit no longer read), the failure counted as the hook's and logged once per kind."""
+        kind = type(exc).__name__
+        hook.fits, hook.rejected = [], []
+        self.record(hook, None, printable(f"{kind}: {exc}", 200))
+        if kind not in self.logged_failures:
+            self.logged_failures.add(kind)
+            log.error("memtel guard: reading the hook %s failed (%s); its forecast is not used until it answers "
+                      "again, and the scrapes go on", hook.target.url, printable(f"{kind}: {exc}", 200))
 
     def fresh(self, now: float | None = None, wall: float | None = None) -> list[tuple[HookReading, RankFit]]:
         return super().fresh(time.monotonic() if now is None else now, time.time() if wall is None else wall)
@@ -137,15 +155,24 @@ async def scrape_forever(tracker: LimitTracker, poll_s: float, timeout_s: float)
             body = await fetch_metrics(hook.target, timeout_s)
             fits, rejected = await asyncio.to_thread(_read_hook, body)  # not on the loop that serves the clients
         except (OSError, asyncio.TimeoutError, UpstreamError, ValueError) as exc:
-            tracker.record(hook, None, f"{type(exc).__name__}: {exc}"[:200])
+            tracker.record(hook, None, printable(f"{type(exc).__name__}: {exc}", 200))
         else:
-            tracker.record(hook, fits, None, rejected)
+            try:
+                tracker.record(hook, fits, None, rejected)
+            except Exception as exc:  # supervised: one answer never ends the scrapes
+                tracker.failed(hook, exc)
 
     while True:
         started = time.monotonic()
         await asyncio.gather(*(one(h) for h in tracker.hooks))
-        tracker.limit()  # a blind episode starts and ends with the hooks, not with the next request
-        tracker.published_at_best = tracker.at_best()
+        try:
+            tracker.limit()  # a blind episode starts and ends with the hooks, not with the next request
+            tracker.published_at_best = tracker.at_best()
+        except Exception as exc:  # supervised: whichever answer it was, none is used until the hooks answer again
+            for hook in tracker.hooks:
+                tracker.failed(hook, exc)
+            tracker.published_at_best = None
+            tracker.limit()
         await asyncio.sleep(max(0.0, poll_s - (time.monotonic() - started)))
 
 

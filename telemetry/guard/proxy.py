@@ -43,7 +43,7 @@ from telemetry.catalogue.fields import (
     GUARD_UPSTREAM_ERROR,
     GUARD_UPSTREAM_UNAVAILABLE,
 )
-from telemetry.errors import ConfigError
+from telemetry.errors import ConfigError, printable
 from telemetry.guard.bounds import GuardLimits
 from telemetry.guard.http import HttpError, Request, ServerSide, UpstreamError
 from telemetry.guard.limit import LimitTracker, fetch_metrics
@@ -63,6 +63,7 @@ MODEL_PATH_PREFIX = "/v1/models/"
 MODELS_TIMEOUT_S = 2.0
 # The header a relayed /health answer carries while a replica's hooks answer without the forecast (docs/guard.md).
 BLIND_HEADER = "x-memtel-guard-blind"
+MAX_BLIND_HEADER_CHARS = 1000
 # Bodies larger than this are parsed and counted in a worker thread, so a 64 MiB body (most of a second of
 # JSON parsing) does not stop the event loop that serves every other connection and stream for that long.
 # Smaller ones, a 1M-token prompt included (4 to 8 MB, 30 to 60 ms here), are parsed on the loop: handing
@@ -140,13 +141,16 @@ class GuardProxy:
                                                     f"(it forwards {known})")
 
     def _without_gauge_header(self) -> tuple[tuple[str, str], ...]:
-        """While a hook answers without the forecast, /health says so (the status stays the engine's: a load
-        balancer must not take a serving engine out for it)."""
+        """While a hook answers without the forecast, or the guard is blind, /health says so (the status stays the
+        engine's: a load balancer must not take a serving engine out for it)."""
         hooks = [url for r in self.replicas for url in r.tracker.without_gauge()]
-        if not hooks:
-            return ()
-        return ((BLIND_HEADER, f"{len(hooks)} hook(s) export no {MAX_PREFILL}, e.g. {hooks[0]}: "
-                               f"{NO_GAUGE_HINT}"),)
+        if hooks:
+            return ((BLIND_HEADER, f"{len(hooks)} hook(s) export no {MAX_PREFILL}, e.g. {hooks[0]}: "
+                                   f"{NO_GAUGE_HINT}"),)
+        if all(r.tracker.limit() is None for r in self.replicas):
+            why = printable(f"blind (--when-blind {self.when_blind}): {self._why_blind()}", MAX_BLIND_HEADER_CHARS)
+            return ((BLIND_HEADER, why.encode("ascii", "backslashreplace").decode("ascii")),)
+        return ()
 
     async def _refuse_path(self, client: ServerSide, status: int, message: str) -> None:
         self.metrics.count(catalogue.GUARD_REJECTED, "not_forwarded")

@@ -3,7 +3,7 @@ forecast (the clocks passed in)."""
 
 from __future__ import annotations
 
-from telemetry.admission.readings import NO_GAUGE_HINT, RankFit, Readings
+from telemetry.admission.readings import NO_GAUGE_HINT, RankFit, Readings, parse_hook
 from telemetry.url import parse_url
 
 WALL = 1_000_000.0
@@ -42,3 +42,30 @@ def test_the_forecast_quoted_is_the_prompts_own_length_drawn_between_the_hooks_l
     assert round(bytes_) == round(1e9 + 8e9 * 260_000 / 948_576)
     assert fit.forecast_at(50_000) == (0.5e9, (100_000,))      # below the shortest: the line from 0
     assert fit.forecast_at(2_000_000) is None                  # above the longest: no forecast
+
+
+def test_a_gauge_past_what_a_node_can_have_is_left_out_and_never_reaches_the_limits_arithmetic():
+    labels = 'rank="0",node="n"'
+    text = (f"memtel_forecast_max_prefill_tokens{{{labels}}} 1e308\nmemtel_forecast_fit_budget_bytes{{{labels}}} "
+            f"1e308\nmemtel_forecast_last_success_timestamp_seconds{{{labels}}} {WALL}\n"
+            f'memtel_forecast_max_prefill_tokens{{rank="1",node="n"}} 4096\n'
+            f'memtel_forecast_fit_budget_bytes{{rank="1",node="n"}} 4e9\n'
+            f'memtel_forecast_reserved_growth_bytes{{tokens="100",rank="1",node="n"}} 1e300\n'
+            f'memtel_forecast_max_prefill_tokens_at_best{{rank="1",node="n"}} 3e9\n'
+            f'memtel_forecast_last_success_timestamp_seconds{{rank="1",node="n"}} {WALL}\n')
+    fits, rejected = parse_hook(text)
+    assert fits == [] and len(rejected) == 2
+    assert rejected[0] == ("rank 0 on node n: memtel_forecast_max_prefill_tokens is 1e+308, "
+                           "memtel_forecast_fit_budget_bytes is 1e+308")
+    assert rejected[1] == "rank 1 on node n: memtel_forecast_max_prefill_tokens_at_best is 3e+09"   # over 2^31
+    fits, _ = parse_hook(text.replace("3e9", "3000"))
+    assert [f.rank for f in fits] == ["1"] and fits[0].growth_bytes == ()   # 1e300 bytes forecast: dropped
+    assert fits[0].tokens(1 << 30) == 2996   # with a reserve: 4096 * (4e9 - 2^30) / 4e9, finite
+
+
+def test_a_hooks_labels_are_escaped_before_any_message_quotes_them():
+    text = ('memtel_forecast_max_prefill_tokens{rank="0\\n\\u001b[31m",node="n\\u202e"} nan\n'
+            'memtel_forecast_max_prefill_tokens{rank="1",node="' + "x" * 500 + '"} -1\n')
+    _, rejected = parse_hook(text)
+    assert all(line.isprintable() for line in rejected), rejected
+    assert rejected[0].startswith("rank 0\\n") and len(rejected[1]) < 200

@@ -273,3 +273,22 @@ def test_the_command_scrapes_with_a_timeout_of_at_least_0_2_s_and_logs_metrics_n
     assert re.fullmatch(r"memtel guard on http://127\.0\.0\.1:\d+ in front of http://127\.0\.0\.1:10, reading 1 "
                         r"hook\(s\); metrics not served", lines[0]), lines
     assert lines[-1] == "memtel guard stopped"
+
+
+def test_a_background_task_that_ends_all_the_same_makes_the_guard_exit_1_in_one_line(monkeypatch, caplog):
+    # The scrapes are supervised; were one to end anyway, the guard would decide on readings nobody updates.
+    async def scrape(tracker, poll_s, timeout_s):
+        raise RuntimeError("scrapes ended")
+
+    monkeypatch.setattr(cli, "scrape_forever", scrape)
+    caplog.set_level(logging.INFO, logger="memtel.guard")
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert asyncio.run(cli._serve(make_proxy(), "127.0.0.1", 0, None, 15.0)) == 1
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == ["memtel guard: a background task (hook scrapes, health polls) stopped: "
+                      "RuntimeError('scrapes ended'); exiting"]

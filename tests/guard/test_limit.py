@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -13,7 +14,7 @@ from telemetry.guard import limit
 from telemetry.guard.limit import LimitTracker, RankFit, parse_fits, scrape_forever
 from telemetry.guard.replicas import hook_targets
 from telemetry.url import parse_url
-from tests.guard.servers import StubHook, exposition
+from tests.guard.servers import StubHook, exposition, request
 
 
 def test_parse_fits_reads_each_rank_and_its_forecasts():
@@ -134,3 +135,41 @@ def test_a_hooks_answer_is_parsed_while_the_loop_keeps_running(monkeypatch):
     assert tracker.hooks[0].error is None and tracker.hooks[0].fits, tracker.hooks[0].error
     assert ticked_during_parse[0], "the event loop stood still while the hook's answer was parsed"
     assert loop_threads[0] is False
+
+
+def test_one_hostile_hook_answer_never_blinds_the_guard_unseen_and_the_next_sane_one_is_used(start_guard, upstream):
+    # Issue 41: one scrape of 1e308 gauges with --reserve-mb raised OverflowError in RankFit.tokens, ended the
+    # scrapes for good, and the guard admitted prompts over the limit while /metrics said memtel_guard_blind 0.
+    hook = StubHook(lambda: exposition(1e308, budget=1e308))  # type: ignore[arg-type]
+    try:
+        guard = start_guard([hook.url], reserve_mb=1024,
+                            ready=lambda g: hook.scrapes >= 2 and g.sample("memtel_guard_blind") == 1)
+        status, headers, _ = request(guard.url, "GET", "/health")
+        assert status == 200 and "memtel_forecast_max_prefill_tokens is 1e+308" in headers["x-memtel-guard-blind"]
+        hook.text = lambda: exposition(1000)   # the hook answers sanely again: the scrapes went on and use it
+        guard.wait_for(lambda: guard.sample("memtel_guard_blind") == 0 and guard.tracker.published is not None)
+        assert guard.tracker.published.tokens == 875   # --reserve-mb 1024 of its 8 GiB budget
+        assert request(guard.url, "POST", "/v1/completions", {"prompt": "w " * 5000})[0] in (400, 503)
+        assert "/v1/completions" not in upstream.paths()   # refused by the guard, never sent on
+    finally:
+        hook.stop()
+
+
+def test_a_failure_in_the_guards_own_work_on_an_answer_is_logged_once_counted_and_the_scrapes_go_on(
+        start_guard, monkeypatch, caplog):
+    def broken(self):
+        raise RuntimeError("the readings' arithmetic failed")
+
+    hook = StubHook(lambda: exposition(1000))
+    try:
+        monkeypatch.setattr(LimitTracker, "at_best", broken)
+        with caplog.at_level(logging.ERROR, logger="memtel.guard"):
+            guard = start_guard([hook.url], ready=lambda g: hook.scrapes >= 4)
+            url = hook.url + "/metrics"
+            guard.wait_for(lambda: (guard.sample("memtel_guard_hook_scrape_failures_total", {"hook": url}) or 0) >= 3)
+            assert guard.sample("memtel_guard_blind") == 1   # its forecast forgotten: blind, and said so
+        said = [r.getMessage() for r in caplog.records if "RuntimeError" in r.getMessage()]
+        assert len(said) == 1 and "the scrapes go on" in said[0]
+        assert "RuntimeError: the readings' arithmetic failed" in guard.tracker.why_blind()
+    finally:
+        hook.stop()

@@ -221,7 +221,7 @@ def test_an_absurd_gauge_is_left_out_and_said_not_raised() -> None:
     finally:
         absurd.stop()
     assert limit is None
-    assert "max prefill tokens 1e+308 is over 2.14748e+09" in why and "fit budget bytes 1e+308" in why
+    assert "memtel_forecast_max_prefill_tokens is 1e+308" in why and "memtel_forecast_fit_budget_bytes is 1e+308" in why
     assert later >= 2
 
 
