@@ -175,10 +175,14 @@ class Admission:
               now: Now) -> CountFirst | ReadModels | Refusal:
         """A prompt of `tokens` over the limit: max-model-len read first (at most once a minute), a words count that
         may or may not be permanent counted first, then the refusal."""
-        if replica.models.stale(now.monotonic) and replica.name not in prompt._models_asked:
-            prompt._models_asked.add(replica.name)
-            return ReadModels(replica)
-        max_model_len = replica.models.get(prompt.size.model)
+        # Over max-model-len is permanent only where no replica could take it: replicas may differ (the largest
+        # counts), and one whose max-model-len is unknown might take it (unknown: transient).
+        for other in sorted(self.replicas, key=lambda r: r is not replica):  # the chosen one first
+            if other.models.stale(now.monotonic) and other.name not in prompt._models_asked:
+                prompt._models_asked.add(other.name)
+                return ReadModels(other)
+        lengths = [r.models.get(prompt.size.model) for r in self.replicas]
+        max_model_len = None if None in lengths else max(n for n in lengths if n is not None)
         best, unknown = self.at_best(now)
         if not prompt._decide_tried and undecided(prompt.size, tokens, counted_by, max_model_len, best):
             return self._count(prompt, replica, "decide")

@@ -407,3 +407,32 @@ def test_the_why_blind_of_several_replicas_names_each_and_reads_the_forecasts_ti
     assert core.pool.why_blind(*at(0)) == ("http://a:8000: http://a:9200/metrics: fresh; "
                                            "http://b:8000: http://b:9200/metrics: fresh")
     assert "forecast older than 30 s" in core.pool.why_blind(T0.monotonic + 1, WALL + 40)
+
+
+def test_over_one_replicas_max_model_len_is_no_permanent_400_while_another_replica_takes_it():
+    # Issue 41: replicas that differ in max-model-len gave the permanent 400 of the one with the most room.
+    short, long_ = replica("http://a:8000", tokens=1000), replica("http://b:8000", tokens=500)
+    core = Admission([short, long_])
+    read = []
+    prompt = ids(3000)
+    for _ in range(6):
+        decision = core.decide(prompt, T0)
+        if not isinstance(decision, ReadModels):
+            break
+        read.append(decision.replica.name)
+        core.models_read(decision.replica, {"m": 2000 if decision.replica is short else 8000}, T0)
+    assert read == ["http://a:8000", "http://b:8000"]   # the chosen replica's first, then the other's
+    assert isinstance(decision, RefuseTransient) and decision.status == 503   # b takes 3,000 once it has room
+    assert isinstance(settle(core, ids(9000), T0), RefusePermanent)           # over every replica's: permanent
+
+
+def test_a_replica_whose_max_model_len_is_unknown_makes_the_refusal_transient():
+    short, unknown = replica("http://a:8000", tokens=1000), replica("http://b:8000", tokens=500)
+    core = Admission([short, unknown])
+    prompt = ids(3000)
+    for _ in range(6):
+        decision = core.decide(prompt, T0)
+        if not isinstance(decision, ReadModels):
+            break
+        core.models_read(decision.replica, {"m": 2000} if decision.replica is short else None, T0)
+    assert isinstance(decision, RefuseTransient)
