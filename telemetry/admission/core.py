@@ -9,7 +9,8 @@ The rules for one prompt against one replica's limit (`judge`), moved from the g
    max-model-len or over the deployment's trusted at-best limit; a words count that may or may not reach either is
    counted by /tokenize first, `undecided`).
 3. Otherwise /tokenize counts it (a request with a field only the engine can count always goes here); prompt_embeds
-   over the limit by their bound cannot be counted by anyone and are refused.
+   over the limit by their bound cannot be counted by anyone: within the rank's own limit (only the prefills beside
+   them stop them) they wait, as any prompt in_prefill; over it they are refused.
 
 A /tokenize that fails while the byte bound fits (the count was only for the hold) forwards by the bound; otherwise
 its answer is relayed. Every decision after a count is taken on the limit at that moment (the hooks and the holds
@@ -153,6 +154,10 @@ class Admission:
                 return self._over(prompt, replica, limit, size.most_tokens if size.exact else size.least_tokens,
                                   "token_ids" if size.exact else "words", now)
             if size.tokenize_body is None:
+                if size.most_tokens <= limit.rank_tokens:  # fits the rank alone: only the prefills beside it stop it
+                    refusal = refusal_for(size.most_tokens, "byte_bound", limit, None, size.param)
+                    refusal.counted_as = refusal.reason
+                    return refusal
                 refusal = uncountable(size, limit)
                 refusal.counted_as = "bad_request"
                 return refusal

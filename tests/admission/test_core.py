@@ -436,3 +436,21 @@ def test_a_replica_whose_max_model_len_is_unknown_makes_the_refusal_transient():
             break
         core.models_read(decision.replica, {"m": 2000} if decision.replica is short else None, T0)
     assert isinstance(decision, RefuseTransient)
+
+
+def test_prompt_embeds_that_fit_the_rank_alone_wait_for_the_prefills_beside_them_not_a_permanent_400():
+    # Issue 41: prompt_embeds that get a 200 alone were refused 400 while another prefill ran.
+    core = Admission([replica(tokens=1000)], Settings(queue_s=30))
+    first = core.decide(ids(600), T0)
+    assert isinstance(first, Forward)
+    embeds = Prompt(measure("/v1/completions", {"prompt_embeds": base64.b64encode(b"\0" * 800).decode()}))
+    held = core.decide(embeds, T0)
+    assert isinstance(held, Hold) and held.refusal.status == 503 and held.refusal.reason == "in_prefill"
+    core.release(first, at(1))
+    assert core.wake(at(1)) == [embeds]
+    assert isinstance(core.decide(embeds, at(1)), Forward)
+    alone = Admission([replica(tokens=1000)])   # without the queue: a transient 503, never a 400
+    alone.decide(ids(600), T0)
+    refusal = alone.decide(Prompt(measure("/v1/completions",
+                                          {"prompt_embeds": base64.b64encode(b"\0" * 800).decode()})), T0)
+    assert isinstance(refusal, RefuseTransient) and refusal.status == 503
