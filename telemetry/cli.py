@@ -21,7 +21,7 @@ from telemetry.commands import Command, registered_commands
 # telemetry's commands, one `Command` each (its module holds `configure(parser)` and `run(args)`). Order is the
 # order shown by `memtel --help`; the commands registered by other packages (`memtel.commands` entry points) follow.
 COMMANDS: dict[str, Command] = {
-    "daemon": Command("telemetry.daemon.main", "run the node exporter: host memory, swap, PSI, NVML, kernel log"),
+    "daemon": Command("telemetry.daemon.cli", "run the node exporter: host memory, swap, PSI, NVML, kernel log"),
     "flight": Command("telemetry.flight.cli",
                       "show the flight recorder's last records (this boot or the previous one)"),
     "alerts": Command("telemetry.alerts.cli",
@@ -30,7 +30,8 @@ COMMANDS: dict[str, Command] = {
                    "run any Python program with the hook in it and in every Python process it starts"),
     "ledger": Command("telemetry.ledger.cli",
                       "where the memory is: per node, then per process (weights, KV, outside...)"),
-    "top": Command("telemetry.ledger.top", "the ledger live in the terminal: headroom, processes, growth, kernel log"),
+    "top": Command("telemetry.ledger.top_cli",
+                   "the ledger live in the terminal: headroom, processes, growth, kernel log"),
     "guard": Command("telemetry.guard.cli",
                      "an OpenAI-compatible proxy that refuses prompts whose prefill would not fit"),
     "allocsim": Command("telemetry.model.allocsim.cli", "replay an op file on the caching-allocator simulator"),

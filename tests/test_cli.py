@@ -1,3 +1,4 @@
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,41 @@ def test_telemetry_names_no_harness_module():
     # a string of their module's name, which would hide the dependency from the layer contract.
     text = Path("telemetry/cli.py").read_text()
     assert "harness." not in text
+
+
+def test_every_command_is_one_module_of_one_pattern():
+    # telemetry's commands and the harness's alike: a Command whose module is its folder's cli.py (NAME_cli.py beside
+    # the folder's own) and defines configure(parser) and run(args).
+    for name, command in all_commands().items():
+        path = Path(*command.module.split(".")).with_suffix(".py")
+        assert path.name in ("cli.py", f"{name}_cli.py"), (name, command.module)
+        defined = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+        assert {"configure", "run"} <= defined, (name, command.module)
+
+
+def _imported(path: Path, node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    base = node.module or ""
+    if node.level:  # a relative import: from the file's package up
+        package = list(path.with_suffix("").parts[:-1])
+        base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+    return {base} | {f"{base}.{alias.name}" for alias in node.names}
+
+
+def test_no_command_is_another_commands_library():
+    # What several commands share lives below them (telemetry/command_helpers.py, the libraries beside each command):
+    # only the command line imports a command's module (tests may).
+    commands = {command.module: name for name, command in all_commands().items()}
+    found = []
+    for path in [p for root in ("telemetry", "harness", "benchmarks") for p in sorted(Path(root).rglob("*.py"))]:
+        text = path.read_text()
+        if "cli" not in text:  # every command's module is named cli or NAME_cli
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found += [f"{path}: {module}" for module in _imported(path, node) & commands.keys()]
+    assert found == []
 
 
 def test_a_broken_registered_command_is_left_out(tmp_path, monkeypatch, caplog):

@@ -58,7 +58,7 @@ def _short(tokens: int) -> str:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from harness.labserver.cli import DEFAULT_SIM_SCALE, DEFAULT_SIM_TIME_SCALE
+    from harness.labserver.engine import DEFAULT_SIM_SCALE, DEFAULT_SIM_TIME_SCALE
 
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -184,7 +184,7 @@ def ladder_text(data: dict, daemon: Daemon, run_dir: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.labserver.cli import DEFAULT_SIM_SCALE
+    from harness.labserver.engine import DEFAULT_SIM_SCALE
 
     if args.guard:
         from harness.demo import guarded

@@ -20,7 +20,7 @@ import signal
 import socket
 import threading
 
-from harness.labserver.engine import LabConfig
+from harness.labserver.engine import DEFAULT_SIM_SCALE, DEFAULT_SIM_TIME_SCALE, LabConfig
 from harness.labserver.tenant import TENANT_FORMAT, parse_tenant
 from telemetry import hook_env, limits
 from telemetry.argtypes import add_log_level, bounded_float, bounded_int, fraction, port
@@ -32,9 +32,6 @@ from telemetry.model.indexer.shape import add_shape_arguments, shape_from_args
 from telemetry.scrape import HOOK_PORT, LAB_PORT
 
 log = logging.getLogger("memtel.lab")
-
-DEFAULT_SIM_SCALE = 0.25  # keeps the demo's host-backed memory near 2.5 GiB on a 24 GiB box
-DEFAULT_SIM_TIME_SCALE = 0.05
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

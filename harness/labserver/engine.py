@@ -40,6 +40,11 @@ class EngineOutOfMemoryError(EngineError):
     """A rank ran out of the node's memory during a prefill: the engine is dead, as vLLM's engine core is then."""
 
 
+# The simulator's defaults for `memtel lab serve` and `memtel demo` (cuda runs at scale 1).
+DEFAULT_SIM_SCALE = 0.25  # keeps the demo's host-backed memory near 2.5 GiB on a 24 GiB box
+DEFAULT_SIM_TIME_SCALE = 0.05
+
+
 @dataclass(frozen=True)
 class LabConfig:
     """Everything that shapes the lab server's work; defaults are the user's A/B profile."""

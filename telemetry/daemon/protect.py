@@ -323,7 +323,7 @@ class Protect:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.starts: HookScraper | None = None  # the local hook exporters' engine-start series (main.build_protect)
+        self.starts: HookScraper | None = None  # the local hook exporters' engine-start series (cli.build_protect)
 
     def step(self) -> Decision | None:
         """One sample through the definition; the decision it led to, if any."""

@@ -10,29 +10,12 @@ import argparse
 import json
 import sys
 
-from telemetry.argtypes import bounded_float
-from telemetry.errors import ConfigError
-from telemetry.ledger import scrape
+from telemetry.ledger.flags import SECONDS, could_not_read, url_list
 from telemetry.ledger.render import SORTS, render
-from telemetry.ledger.scrape import DEFAULT_DAEMON, LedgerReport, take_report
+from telemetry.ledger.scrape import DEFAULT_DAEMON, take_report
 from telemetry.scrape import hook_ports
 
-SECONDS = bounded_float(0, 60, above_minimum=True)   # --timeout, top's --interval
 HOOK_PORTS = f"{hook_ports()[0]}-{hook_ports()[-1]}"   # the hooks' default ports on a node, as the help says it
-
-
-def url_list(text: str) -> list[str]:
-    """argparse's type for URL lists: the reason in the one error line (argparse hides a ValueError's text)."""
-    try:
-        return scrape.url_list(text)
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def could_not_read(report: LedgerReport) -> bool:
-    """A daemon or a hook that was asked for did not answer (exit 1 in `ledger` and `top --once`)."""
-    return any(n.error is not None and n.daemon_url for n in report.nodes) or any(
-        h.error is not None for n in report.nodes for h in n.hooks)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from telemetry.catalogue.metrics import HOOK_CALLS
 from telemetry.catalogue.vllm import GENERATION_TOKENS, NUM_REQUESTS_RUNNING, PROMPT_TOKENS
 from telemetry.ledger.stall import StallWatch
-from telemetry.ledger.top import History, frame, take_frame
+from telemetry.ledger.top_cli import History, frame, take_frame
 from tests.dashboards.live import prometheus_config, start_prometheus
 from tests.support.ports import free_port, free_port_block
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.daemon import main as daemon_main
+from telemetry.daemon import cli as daemon_cli
 from telemetry.daemon.config import ConfigError, enabled_collectors, from_args, from_mapping, load_file
 
 EXAMPLE = Path(__file__).parents[2] / "configs" / "examples" / "daemon.yaml"
@@ -11,7 +11,7 @@ EXAMPLE = Path(__file__).parents[2] / "configs" / "examples" / "daemon.yaml"
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    daemon_main.configure(parser)
+    daemon_cli.configure(parser)
     return parser.parse_args(argv)
 
 

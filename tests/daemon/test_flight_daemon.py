@@ -288,8 +288,8 @@ def test_the_recorder_is_on_with_a_state_dir_and_off_when_asked(tmp_path):
 def _config(*argv: str):
     import argparse
 
+    from telemetry.daemon.cli import configure
     from telemetry.daemon.config import from_args
-    from telemetry.daemon.main import configure
 
     parser = argparse.ArgumentParser()
     configure(parser)

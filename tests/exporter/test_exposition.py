@@ -83,8 +83,8 @@ def test_the_daemons_real_registry(tmp_path):
     from prometheus_client import ProcessCollector
 
     from telemetry.cli import build_parser
+    from telemetry.daemon.cli import build_collectors
     from telemetry.daemon.config import from_args
-    from telemetry.daemon.main import build_collectors
     from telemetry.daemon.registry import DaemonCollectors
 
     state = tmp_path / "state"

@@ -41,7 +41,7 @@ def test_the_scrapers_log_and_records_write_the_credentials_as_stars(caplog):
 
 
 def test_protects_start_line_names_the_hook_targets_without_their_password(caplog):
-    from telemetry.daemon.main import build_protect
+    from telemetry.daemon.cli import build_protect
 
     config = from_mapping({"flight": {"hook_targets": [f"http://admin:{PASSWORD}@127.0.0.1:9200"]},
                            "protect": {"enabled": True, "command": ["/bin/true"]}})

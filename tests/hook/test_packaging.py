@@ -92,7 +92,7 @@ def installed(python: Path) -> dict[str, str]:
 
 IMPORTS = """
 import json, sys
-import telemetry.vllm_plugin, telemetry.hook, telemetry.daemon.main, telemetry.cli
+import telemetry.vllm_plugin, telemetry.hook, telemetry.daemon.cli, telemetry.cli
 import torch
 import telemetry
 sys.path.insert(0, sys.argv[1])

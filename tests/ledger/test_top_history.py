@@ -5,7 +5,7 @@ and nothing made up on the first frame or from a frame whose endpoint did not an
 from __future__ import annotations
 
 from telemetry.ledger.scrape import HookView, LedgerReport, NodeView
-from telemetry.ledger.top import TREND_WINDOW_S, History, frame
+from telemetry.ledger.top_cli import TREND_WINDOW_S, History, frame
 
 GiB = 1 << 30
 HOOK = "http://127.0.0.2:9200/metrics"

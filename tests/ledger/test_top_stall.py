@@ -16,7 +16,7 @@ from telemetry.catalogue.metrics import HOOK_CALLS
 from telemetry.catalogue.vllm import GENERATION_TOKENS, ITERATION_TOKENS, NUM_REQUESTS_RUNNING, PROMPT_TOKENS
 from telemetry.ledger.scrape import HookView, LedgerReport, NodeView, Scrape
 from telemetry.ledger.stall import FOR_S, PROGRESS_SERIES, RUNNING, WINDOW_S, StallWatch, duration
-from telemetry.ledger.top import History, frame
+from telemetry.ledger.top_cli import History, frame
 from telemetry.scrape import parse_body, series_name
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""telemetry/daemon/main.py: what the daemon builds from its config."""
+"""telemetry/daemon/cli.py: what the daemon builds from its config."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from telemetry.daemon.cli import build_protect
 from telemetry.daemon.collectors.headroom import build as build_headroom_collector
 from telemetry.daemon.config import from_mapping
-from telemetry.daemon.main import build_protect
 
 PROC = Path(__file__).resolve().parents[1] / "fixtures" / "proc"
 SYNTHETIC = PROC / "synthetic"

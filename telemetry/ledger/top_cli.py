@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from telemetry.errors import printable
-from telemetry.ledger.cli import SECONDS, could_not_read, url_list
+from telemetry.ledger.flags import SECONDS, could_not_read, url_list
 from telemetry.ledger.render import PROCESS_HEADER, SORTS, node_block, process_row, size
 from telemetry.ledger.scrape import DEFAULT_DAEMON, LedgerReport, NodeView, Scrape, scrape_all, take_report
 from telemetry.ledger.stall import EngineState, StallWatch, engine_numbers
