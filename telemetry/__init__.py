@@ -12,7 +12,6 @@ if TYPE_CHECKING:
 
     from telemetry.hook import HookHandle
 
-from telemetry.version import __version__
 
 __all__ = ["__version__", "install"]
 
@@ -27,3 +26,13 @@ def install(targets: str | Iterable[str], **options: Any) -> HookHandle:
     from telemetry.hook import install as _install
 
     return _install(targets, **options)
+
+
+def __getattr__(name: str) -> Any:
+    """`telemetry.__version__`, read from telemetry/version.py when asked: importing the package loads no module
+    of it (vLLM's plugin entry imports only telemetry and telemetry.vllm_plugin)."""
+    if name == "__version__":
+        from telemetry.version import __version__
+
+        return __version__
+    raise AttributeError(f"module 'telemetry' has no attribute {name!r}")
