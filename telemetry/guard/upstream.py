@@ -3,7 +3,8 @@
 
 A connection is reused only after an exchange h11 saw finish cleanly (Envoy's rule); one the upstream closed while
 idle is retried once on a fresh one. A forwarded request whose client goes away closes its upstream connection, so
-a streaming engine aborts it.
+the engine aborts it: while its answer streams, and before the answer's head (a non-streamed completion's comes at
+its end).
 """
 
 from __future__ import annotations
@@ -162,15 +163,41 @@ class UpstreamClient:
             return
         self.metrics.count(catalogue.GUARD_REPLICA_FORWARDED, replica.name)
         self.metrics.observe_added(time.perf_counter() - started)
+        # Until the answer's head, watch the client too: a non-streamed completion is answered whole at its end, so
+        # a client that leaves meanwhile is seen only here. The upstream connection is then closed: the engine
+        # aborts the request (vLLM does on a closed connection) and the caller releases its hold. (A callback on
+        # the client's gone() rather than a second task: nothing more per request on the hot path.)
+        task = asyncio.current_task()
+        waiting = True
+        left = False
+
+        def client_left(_gone: object) -> None:
+            nonlocal left
+            if waiting and task is not None:
+                left = True
+                task.cancel()
+
+        gone = client.channel.gone()
+        gone.add_done_callback(client_left)
         try:
             side, response = await self._send(replica, side, reused, request.method, request.target, headers, body)
+        except asyncio.CancelledError:
+            side.channel.close()
+            if not left or task is None:
+                raise
+            task.uncancel()
+            return  # the client left: nobody to answer
         except (OSError, asyncio.TimeoutError, UpstreamError, HttpError) as exc:
+            waiting = False
             side.channel.close()
             self.metrics.count(catalogue.GUARD_UPSTREAM_FAILURES, "request")
             await answer(client, 502, error_body(GUARD_UPSTREAM_UNAVAILABLE, f"memtel guard: the upstream "
                                                  f"{replica.name} did not answer: {type(exc).__name__}: {exc}", 502),
                          send_s, close=True)
             return
+        finally:
+            waiting = False
+            gone.remove_done_callback(client_left)
         whole = False
         try:
             client.start(response.status, response.reason, [*response.relayed_headers(), *extra])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import select
 import socket
 import threading
 import time
@@ -41,6 +42,7 @@ class StubUpstream:
         self.connections: list = []  # every connection accepted (to close kept-alive ones under the guard)
         self.extra_answer: bytes | None = None  # set by a test: sent after the next GET's answer (a desync)
         self.healthy = True  # set by a test: /health answers 503 while False
+        self.aborted = 0  # held completions whose connection the guard closed before the answer
         self.lock = threading.Lock()
         outer = self
 
@@ -64,6 +66,19 @@ class StubUpstream:
                 self.end_headers()
                 extra, outer.extra_answer = outer.extra_answer, None
                 self.wfile.write(data + (extra or b""))
+
+            def _held_until_aborted(self, hold: threading.Event) -> bool:
+                """Wait for `hold` (10 s at most) while watching the connection: True when the guard closed it
+                first (the request aborted, as vLLM aborts a request whose connection closes)."""
+                deadline = time.monotonic() + 10
+                while not hold.wait(0.02) and time.monotonic() < deadline:
+                    readable, _, _ = select.select([self.connection], [], [], 0)
+                    if readable and self.connection.recv(1, socket.MSG_PEEK) == b"":
+                        with outer.lock:
+                            outer.aborted += 1
+                        self.close_connection = True
+                        return True
+                return False
 
             def do_GET(self) -> None:
                 with outer.lock:
@@ -96,8 +111,8 @@ class StubUpstream:
                     self._json(400, {"error": {"message": "temperature must be >= 0", "type": "BadRequestError",
                                                "code": 400}})
                     return
-                if outer.hold is not None:
-                    outer.hold.wait(10)
+                if outer.hold is not None and self._held_until_aborted(outer.hold):
+                    return
                 if request.get("huge_chunk"):  # one chunk said to be 400 MiB, written 1 MiB at a time until stopped
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
