@@ -20,6 +20,9 @@ class GuardLimits:
     max_body_bytes: int = 64 << 20  # a 1M-token prompt is 4 to 8 MB of JSON
     connect_timeout_s: float = 10.0  # to the upstream
     max_idle_upstream: int = 32  # kept-alive upstream connections
+    # Requests a client may pipeline back to back (each answered before the next is read) before its connection is
+    # closed: a client that sends thousands and reads nothing would otherwise keep the guard answering it.
+    max_pipelined: int = 100
     queue_s: float = DEFAULT_QUEUE_S  # the longest a prompt that does not fit now waits for room (0: 503 at once)
     max_queued: int = 32  # waiting at most (each holds its body once: at most max_body_bytes)
 

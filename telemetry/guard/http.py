@@ -387,6 +387,10 @@ class ServerSide(_Side):
         if data:
             await self.channel.write(data, send_s)
 
+    def pipelined(self) -> bool:
+        """The client's next request has already arrived (pipelined behind the one just answered)."""
+        return bool(self.h11.trailing_data[0]) or bool(self.channel._buffer)
+
     def next_cycle(self) -> bool:
         """Ready for the client's next request: both sides finished and neither asked to close."""
         if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:

@@ -3,7 +3,9 @@ checked for framing the upstream could read otherwise, and handed to the guard's
 
 Bounds (`GuardLimits`, docs/guard.md "Limits"): a number of client connections (past it, the one that has waited
 longest for its next request or for the rest of its request is closed), idle, read, request and send timeouts, a
-bounded head and body. A connection that fails never stops the guard.
+bounded head and body, at most `max_pipelined` requests answered back to back from what a client had already sent
+(the event loop served in between: each buffered request yields to the other connections first). A connection that
+fails never stops the guard.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class ConnectionServer:
     async def _serve_client(self, client: _Client) -> None:
         limits = self.limits
         side = ServerSide(client.channel, limits.max_head_bytes)
+        pipelined = 0  # requests answered back to back from what the client had already sent
         try:
             while True:
                 client.waiting_since = time.monotonic()
@@ -107,6 +110,13 @@ class ConnectionServer:
                 await self.handle(request, body, side, started)
                 if not side.next_cycle():
                     break
+                if side.pipelined():
+                    pipelined += 1
+                    if pipelined >= limits.max_pipelined:
+                        break  # closed: a client that pipelines without end is not served without end
+                    await asyncio.sleep(0)  # the other connections are served between its buffered requests
+                else:
+                    pipelined = 0
         except HttpError as exc:
             self.metrics.count(catalogue.GUARD_REJECTED, "bad_request")
             if side.answering:

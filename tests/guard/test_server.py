@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
 from telemetry.catalogue.fields import GUARD_NOT_FORWARDED
 from telemetry.guard.prompt import COMPLETIONS
 from telemetry.guard.proxy import GuardLimits
-from tests.guard.servers import RunningGuard, StubHook, exposition, make_proxy
+from tests.guard.servers import RunningGuard, StubHook, exposition, make_proxy, request
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +148,34 @@ def test_a_newcomer_past_the_cap_evicts_the_connection_waiting_longest(start_gua
         first.close()
         for sock in socks:
             sock.close()
+
+
+def test_pipelined_requests_never_read_leave_the_guard_serving_others_promptly(guard):
+    # Issue 41: 300 connections sending 3,000 pipelined GET /nope each and never reading locked the guard: the
+    # buffered requests were served without a yield to the event loop. Fewer connections, the same effect.
+    flood = b"GET /nope HTTP/1.1\r\nHost: g\r\n\r\n" * 3000
+    floods = [socket.create_connection(("127.0.0.1", guard.port)) for _ in range(12)]
+    try:
+        for sock in floods:
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.send(flood)
+        waits = []
+        for _ in range(5):
+            started = time.perf_counter()
+            status, _headers, _body = request(guard.url, "GET", "/health")
+            waits.append(time.perf_counter() - started)
+            assert status == 200
+        assert max(waits) < 0.5, waits   # served beside the floods (1.9 s for the first here, before the yields)
+    finally:
+        for sock in floods:
+            sock.close()
+
+
+def test_a_client_that_pipelines_without_end_is_closed_after_max_pipelined_answers(guard):
+    with socket.create_connection(("127.0.0.1", guard.port), timeout=10) as sock:
+        sock.sendall(b"GET /nope HTTP/1.1\r\nHost: g\r\n\r\n" * 300)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.count(b"HTTP/1.1 404 ") == GuardLimits().max_pipelined == 100
