@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 
 import h11
 import pytest
@@ -63,3 +64,38 @@ def test_an_upstream_that_closes_before_a_byte_is_closed_and_one_that_sends_garb
     assert type(closed) is UpstreamClosed and str(closed) == "the connection closed without an answer"
     garbage = upstream_answer(b"NOT HTTP AT ALL\r\n\r\n")
     assert type(garbage) is UpstreamError and str(garbage).startswith("malformed answer: ")
+
+
+def test_a_body_of_one_byte_chunks_is_joined_in_one_buffer_with_yields_to_the_event_loop():
+    # Issue 41: 1-byte chunks took other clients to p50 0.87 s and the guard from 79 to 370 MiB (a part per chunk,
+    # parsed without a yield).
+    chunks = 20_000
+    channel = Channel()
+    channel.data_received(b"POST /v1/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n" +
+                          b"1\r\nx\r\n" * chunks + b"0\r\n\r\n")
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def main() -> tuple[bytes, int]:
+        side = ServerSide(channel, 16384)
+        await side.next_request(5.0, 5.0, 5.0)
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0)
+        tracemalloc.start()
+        try:
+            body = await side.read_body(1 << 20, 5.0, 5.0)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            ticker.cancel()
+        return body, peak
+
+    body, peak = asyncio.run(main())
+    assert body == b"x" * chunks
+    assert ticks >= chunks // 256 // 2, ticks   # the loop ran between the chunks
+    assert peak < 200_000, peak                 # a part per chunk held 20,000 objects (about 1 MB)
