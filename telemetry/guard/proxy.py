@@ -69,6 +69,9 @@ MAX_BLIND_HEADER_CHARS = 1000
 # Smaller ones, a 1M-token prompt included (4 to 8 MB, 30 to 60 ms here), are parsed on the loop: handing
 # them to a thread made the 1M-token refusal about 25 ms slower at the median (BENCHMARKS.md, "memtel guard").
 INLINE_PARSE_BYTES = 8 << 20
+# A body of many small objects (500,000 one-word chat messages are 7.5 MB) costs by its objects, not its bytes: one
+# with more than this many is parsed in the worker thread too, whatever its size (the count is one pass in C).
+INLINE_PARSE_OBJECTS = 10_000
 # What a body that cannot be parsed raises besides PromptError: a 5,000-digit integer is a ValueError of
 # int()'s digit limit, deep nesting a RecursionError. Each is the client's error: a 400, never a traceback.
 _BODY_ERRORS = (PromptError, ValueError, TypeError, RecursionError, MemoryError)
@@ -158,7 +161,9 @@ class GuardProxy:
 
     async def _guarded(self, request: Request, path: str, raw: bytes, client: ServerSide, started: float) -> None:
         try:
-            if len(raw) > INLINE_PARSE_BYTES:  # a long prompt takes tens of ms to parse: not on the event loop
+            if len(raw) > INLINE_PARSE_BYTES or (len(raw) > 2 * INLINE_PARSE_OBJECTS
+                                                 and raw.count(b"{") > INLINE_PARSE_OBJECTS):
+                # a long prompt, or one of many objects, takes tens of ms to parse: not on the event loop
                 size = await asyncio.to_thread(_measure_all, path, raw)
             else:
                 size = measure(path, parse_body(raw))
