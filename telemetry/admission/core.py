@@ -137,7 +137,9 @@ class Admission:
                 return self._refused(prompt, verdict, verdict.counted_as, limit, now)
             return verdict
         tokens, counted_by = verdict
-        if prompt.waiting is None and self.line.enabled and self.line.waiters \
+        # A prompt that fits now waits behind a head that has waited its turn, but only where it has a place to
+        # wait: with the queue full it goes on, never a 503 "queue full" for a prompt the engine can take now.
+        if prompt.waiting is None and self.line.enabled and self.line.waiters and not self.line.full \
                 and self.line.blocked(self._at_rest(now), now.monotonic):
             return self._transient(prompt, behind(tokens, counted_by, limit), "in_prefill", tokens, now)
         return self._forward(prompt, replica, tokens, counted_by, now)

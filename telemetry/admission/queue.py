@@ -6,7 +6,8 @@ at_rest, ceiling, now)` walks the waiters in arrival order against the room of e
 - a waiter whose tokens fit the most room left is woken to be decided again (and that room is spent on it);
 - the first waiter that does not fit is the head. A later, smaller one may pass it only while the head has waited
   less than `pass_s` (a quarter of the queue's wait); from then on nothing behind it is woken, and a newcomer that
-  would fit waits behind it too (`blocked`), so the holds drain and the head goes next. A long prompt neither
+  would fit waits behind it too (`blocked`, where the queue has room: with it full, the newcomer goes on rather than
+  get a 503 "queue full" for a prompt that fits now), so the holds drain and the head goes next. A long prompt neither
   blocks every short one behind it nor starves. A head that would not fit a replica even with nothing in prefill
   (over its rank's limit at rest) blocks nobody: draining the holds cannot make it fit, only memory freeing can.
 

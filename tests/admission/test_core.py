@@ -454,3 +454,13 @@ def test_prompt_embeds_that_fit_the_rank_alone_wait_for_the_prefills_beside_them
     refusal = alone.decide(Prompt(measure("/v1/completions",
                                           {"prompt_embeds": base64.b64encode(b"\0" * 800).decode()})), T0)
     assert isinstance(refusal, RefuseTransient) and refusal.status == 503
+
+
+def test_a_prompt_that_fits_now_is_never_refused_queue_full_behind_prompts_that_fit_only_at_rest():
+    # Issue 41: with --queue-s, a prompt that fit now got 503 "queue full" behind prompts that fit only at rest.
+    core = Admission([replica(tokens=1000)], Settings(queue_s=30, max_queued=1))
+    first = core.decide(ids(600), T0)
+    assert isinstance(first, Forward)
+    assert isinstance(settle(core, ids(900), T0), Hold)       # fits at rest, not beside the 600: waits (full now)
+    later = at(core.line.pass_s + 1)                           # the head has waited its turn
+    assert isinstance(core.decide(ids(100), later), Forward)   # fits now: on, not 503 "queue full"
