@@ -185,7 +185,9 @@ class UpstreamClient:
             side.channel.close()
             if not left or task is None:
                 raise
-            task.uncancel()
+            uncancel = getattr(task, "uncancel", None)  # Python 3.11+: the cancel was ours, taken back
+            if uncancel is not None:
+                uncancel()
             return  # the client left: nobody to answer
         except (OSError, asyncio.TimeoutError, UpstreamError, HttpError) as exc:
             waiting = False
