@@ -9,58 +9,35 @@ which asks the core which prompts to decide again (`Admission.wake`).
 from __future__ import annotations
 
 import asyncio
-import time
 
-from telemetry.admission.core import Admission, Now, Prompt
+from telemetry.admission.core import Admission, Prompt
 from telemetry.admission.decisions import Hold
 from telemetry.admission.queue import OUTCOMES, PASS_FRACTION
+from telemetry.admission.waiting import HeldPrompts, now
 from telemetry.catalogue import metrics as catalogue
 from telemetry.guard.metrics import GuardMetrics
 
 
-def now() -> Now:
-    return Now(time.monotonic(), time.time())
-
-
 class Waiters:
-    """One future per held prompt, set when the core wakes it."""
+    """The guard's held requests: each waits in the front doors' one `HeldPrompts`; the queue's metrics here."""
 
     def __init__(self, core: Admission, metrics: GuardMetrics) -> None:
         self.core = core
         self.metrics = metrics
-        self._woken: dict[Prompt, asyncio.Future[None]] = {}
-        self._scheduled = False
+        self.held = HeldPrompts(lambda: (core,))
 
     def kick(self) -> None:
         """The limit may have risen: pump once on the loop's next turn (many kicks, one pump)."""
-        if self.core.line.waiters and not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self.pump)
-
-    def pump(self) -> None:
-        self._scheduled = False
-        for prompt in self.core.wake(now()):
-            woken = self._woken.get(prompt)
-            if woken is not None and not woken.done():
-                woken.set_result(None)
+        self.held.kick()
 
     async def wait(self, prompt: Prompt, hold: Hold, gone: asyncio.Future[None]) -> bool:
         """Wait until the core wakes `prompt` or its deadline passes (True: decide again), or its client leaves
         (False: it has left the queue)."""
-        woken = self._woken[prompt] = asyncio.get_running_loop().create_future()
         self.metrics.queue_depth = self.core.queued
-        try:
-            self.kick()  # it may fit already (a hold was released between its refusal and now)
-            left = hold.deadline - time.monotonic()
-            if left > 0:
-                await asyncio.wait((woken, gone), timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if gone.done():
-                waited = self.core.leave(prompt, now())
-                self.ended("client_left", waited)
-                return False
+        if await self.held.wait(prompt, hold.deadline, gone):
             return True
-        finally:
-            del self._woken[prompt]
+        self.ended("client_left", self.core.leave(prompt, now()))
+        return False
 
     def ended(self, outcome: str | None, waited_s: float | None) -> None:
         """A prompt left the queue (`outcome`, OUTCOMES) after `waited_s`: counted, and its room is free for the

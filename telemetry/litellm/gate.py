@@ -39,7 +39,6 @@ from telemetry.admission import (
     CountFirst,
     Forward,
     Hold,
-    Now,
     Prompt,
     PromptError,
     ReadModels,
@@ -50,6 +49,7 @@ from telemetry.admission import (
     parse_models,
 )
 from telemetry.admission.prompt import CHAT_COMPLETIONS, COMPLETIONS, RESPONSES
+from telemetry.admission.waiting import HeldPrompts, now
 from telemetry.guard.limit import LimitTracker
 from telemetry.litellm import client
 from telemetry.litellm.gauges import GaugeBook, deployment_hooks, deployment_id, upstream_root
@@ -76,10 +76,6 @@ class Admitted:
     hold_key: str
 
 
-def now() -> Now:
-    return Now(time.monotonic(), time.time())
-
-
 def named_deployments(router: Any, model: object) -> tuple[list[dict[str, Any]], bool]:
     """The deployments `model` names in `router` (its group, aliases and wildcards as the router resolves them,
     a deployment's id, a deployment's `litellm_params.model`), and whether any deployment of the router is
@@ -104,8 +100,7 @@ class Gate:
         self._replicas: dict[str, Replica] = {}  # deployment key -> its replica, shared by every admission
         self._deployments: dict[str, dict[str, Any]] = {}  # replica name -> its deployment
         self._admissions: dict[tuple[str, ...], Admission] = {}
-        self._woken: dict[Prompt, asyncio.Future[None]] = {}
-        self._pumping = False
+        self.held_prompts = HeldPrompts(lambda: self._admissions.values())
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def decide(self, call_type: str, body: dict[str, Any], deployments: Sequence[dict[str, Any]],
@@ -152,7 +147,9 @@ class Gate:
                     await self._read_models(admission, decision.replica)
                 elif isinstance(decision, Hold):
                     leaving = leaving or asyncio.ensure_future(gone())
-                    if not await self._wait(admission, prompt, decision, leaving):
+                    if not await self.held_prompts.wait(prompt, decision.deadline, leaving):
+                        admission.leave(prompt, now())
+                        self.kick()
                         raise ClientLeft(f"{time.monotonic() - started:.2f}")
                 else:
                     raise decision.refusal
@@ -186,37 +183,10 @@ class Gate:
             status, data = 0, b""
         admission.models_read(replica, (parse_models(data) or None) if status == 200 else None, now())
 
-    async def _wait(self, admission: Admission, prompt: Prompt, hold: Hold, leaving: asyncio.Future[None]) -> bool:
-        """Wait until the core wakes `prompt` or its deadline passes (True: decide again), or its client leaves
-        (False: it has left the queue)."""
-        woken = self._woken[prompt] = asyncio.get_running_loop().create_future()
-        try:
-            self.kick()  # it may fit already (a hold was released between its refusal and now)
-            left = hold.deadline - time.monotonic()
-            if left > 0:
-                await asyncio.wait((woken, leaving), timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if leaving.done():
-                admission.leave(prompt, now())
-                self.kick()
-                return False
-            return True
-        finally:
-            del self._woken[prompt]
-
     def kick(self) -> None:
-        """The limit may have risen (a hook answered, a hold was released, a replica came back): the core says
-        which held prompts to decide again, on the loop's next turn (many kicks, one pump)."""
-        if self._woken and not self._pumping:
-            self._pumping = True
-            asyncio.get_running_loop().call_soon(self._pump)
-
-    def _pump(self) -> None:
-        self._pumping = False
-        for admission in self._admissions.values():
-            for prompt in admission.wake(now()) if admission.line.waiters else ():
-                woken = self._woken.get(prompt)
-                if woken is not None and not woken.done():
-                    woken.set_result(None)
+        """The limit may have risen (a hook answered, a hold was released, a replica came back): the held prompts
+        the cores name are decided again on the loop's next turn."""
+        self.held_prompts.kick()
 
     # -- replicas and the pool -------------------------------------------------------------------------------
     async def _admission(self, deployments: list[dict[str, Any]]) -> Admission:

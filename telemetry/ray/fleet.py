@@ -34,7 +34,6 @@ from telemetry.admission import (
     Forward,
     Hold,
     HookReading,
-    Now,
     Prompt,
     PromptSize,
     Readings,
@@ -48,6 +47,7 @@ from telemetry.admission import (
     parse_hook,
     parse_models,
 )
+from telemetry.admission.waiting import HeldPrompts, now
 from telemetry.catalogue.fields import GUARD_UPSTREAM_ERROR, GUARD_UPSTREAM_UNAVAILABLE
 from telemetry.errors import ConfigError
 from telemetry.ray.replica import hooks_of, upstream_of
@@ -95,10 +95,6 @@ class RouterSettings:
         return cls(**values)
 
 
-def now() -> Now:
-    return Now(time.monotonic(), time.time())
-
-
 @dataclass
 class Member:
     """One Serve replica as the core knows it: its `Replica` and where its engine answers (None: unknown)."""
@@ -113,7 +109,7 @@ class Fleet:
         self.settings = settings
         self.members: dict[str, Member] = {}
         self.admission: Admission | None = None
-        self._waiting: dict[Prompt, asyncio.Event] = {}
+        self.held_prompts = HeldPrompts(lambda: () if self.admission is None else (self.admission,))
         self._client: httpx.AsyncClient | None = None
         self._scraping: asyncio.Task[None] | None = None
         self._signature: tuple[object, ...] = ()
@@ -163,8 +159,6 @@ class Fleet:
         admission = self.admission
         assert admission is not None
         prompt = Prompt(size)
-        woken = asyncio.Event()
-        self._waiting[prompt] = woken
         try:
             while True:
                 decision = admission.decide(prompt, now())
@@ -174,18 +168,12 @@ class Fleet:
                     found = await self._models(decision.replica)
                     admission.models_read(decision.replica, found, now())
                 elif isinstance(decision, Hold):
-                    woken.clear()
-                    try:
-                        await asyncio.wait_for(woken.wait(), max(0.0, decision.deadline - time.monotonic()))
-                    except asyncio.TimeoutError:
-                        pass
+                    await self.held_prompts.wait(prompt, decision.deadline)
                 else:
                     return decision
         except asyncio.CancelledError:  # the caller gave up on the request while it waited
             admission.leave(prompt, now())
             raise
-        finally:
-            del self._waiting[prompt]
 
     def release(self, forward: Forward) -> None:
         """The forwarded request is over (Ray reports a request's end, not its first byte: the hold is longer than
@@ -296,12 +284,9 @@ class Fleet:
             self.admission.pool.leave(member.replica, why)
 
     def _wake(self) -> None:
-        if self.admission is None or not self._waiting:
-            return
-        for prompt in self.admission.wake(now()):
-            event = self._waiting.get(prompt)
-            if event is not None:
-                event.set()
+        """The limit may have risen: the held prompts the core names are decided again (at once: Serve calls in on
+        the router's loop)."""
+        self.held_prompts.pump()
 
     async def close(self) -> None:
         if self._scraping is not None:
@@ -324,4 +309,4 @@ def _targets(hooks: Sequence[str]) -> list[Endpoint]:
     return found
 
 
-__all__ = ["TOKENIZE_TIMEOUT_S", "Fleet", "Member", "RouterSettings", "now"]
+__all__ = ["TOKENIZE_TIMEOUT_S", "Fleet", "Member", "RouterSettings"]
