@@ -304,8 +304,8 @@ class GuardProxy:
         async def one(replica: Replica, target: Endpoint) -> None:
             try:
                 await fetch_metrics(target, timeout_s)
-            except (OSError, asyncio.TimeoutError, UpstreamError) as exc:
-                if self.core.pool.leave(replica, f"/health: {type(exc).__name__}: {exc}"[:200]):
+            except Exception as exc:  # supervised: any failure takes the replica out, and the polls go on
+                if self.core.pool.leave(replica, printable(f"/health: {type(exc).__name__}: {exc}", 200)):
                     log.warning("memtel guard: replica %s leaves the pool: %s", replica.name, replica.health_error)
                 return
             if self.core.pool.back(replica):

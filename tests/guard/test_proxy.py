@@ -432,3 +432,36 @@ def test_a_body_of_many_small_messages_is_parsed_in_a_worker_thread_whatever_its
     assert request(guard.url, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "w"}]})[0] \
         == 200
     assert where == ["thread", "loop"]
+
+
+def test_a_health_poll_that_fails_in_any_way_takes_its_replica_out_and_the_polls_go_on(monkeypatch):
+    import telemetry.guard.proxy as proxy_module
+
+    proxy = make_proxy(2)
+    calls = 0
+
+    async def fetch(target, timeout_s):
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise RuntimeError("not an OSError")
+        return b""
+
+    monkeypatch.setattr(proxy_module, "fetch_metrics", fetch)
+
+    async def main() -> list[tuple[bool, str | None]]:
+        poller = asyncio.ensure_future(proxy.watch_health(0.01, 1.0))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        out = [(r.healthy, r.health_error) for r in proxy.replicas]
+        for _ in range(100):
+            if calls >= 4:
+                break
+            await asyncio.sleep(0.01)
+        assert not poller.done()   # the polls went on
+        poller.cancel()
+        await asyncio.gather(poller, return_exceptions=True)
+        return out
+
+    assert asyncio.run(main()) == [(False, "/health: RuntimeError: not an OSError")] * 2
+    assert [r.healthy for r in proxy.replicas] == [True, True]   # back once /health answered
