@@ -33,7 +33,7 @@ from telemetry.admission.prompt import (
     measure,
     parse_body,
 )
-from telemetry.admission.readings import MAX_PREFILL, NO_GAUGE_HINT
+from telemetry.admission.readings import MAX_PREFILL, MAX_TOKENS, NO_GAUGE_HINT
 from telemetry.admission.refusal import MAX_MODELS_BYTES, MODELS_PATH, RETRY_AFTER_S, Refusal, error_body, parse_models
 from telemetry.catalogue import metrics as catalogue
 from telemetry.catalogue.fields import (
@@ -260,14 +260,15 @@ class GuardProxy:
         if status == 200:
             with contextlib.suppress(ValueError, AttributeError):
                 count = json.loads(data).get("count")
-        if status == 200 and isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+        # A count past 2^31 tokens is no engine's: not a count (the readings' bound, as a hook's gauges).
+        if status == 200 and isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= MAX_TOKENS:
             prompt.counted(count)
             return
         try:
             relayed = json.loads(data)
         except ValueError:
             relayed = None
-        if not isinstance(relayed, dict):
+        if not isinstance(relayed, dict) or status == 200:  # a 200 without a usable count is no error to relay
             relayed = error_body(GUARD_UPSTREAM_ERROR, f"memtel guard: the upstream's /tokenize answered {status} "
                                  "without a token count", 502)
         prompt.not_counted(Refusal(status if status != 200 else 502, relayed, None))

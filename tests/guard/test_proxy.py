@@ -465,3 +465,11 @@ def test_a_health_poll_that_fails_in_any_way_takes_its_replica_out_and_the_polls
 
     assert asyncio.run(main()) == [(False, "/health: RuntimeError: not an OSError")] * 2
     assert [r.healthy for r in proxy.replicas] == [True, True]   # back once /health answered
+
+
+def test_a_tokenize_count_past_2_to_the_31_is_no_count(guard, upstream):
+    # Issue 41: every reading bounded (tokens <= 2^31), the upstream's count as the hooks' gauges.
+    upstream.tokens_per_word = 1 << 32
+    status, _, data = request(guard.url, "POST", "/v1/completions", {"prompt": "word " * 300})
+    assert status == 502 and "without a token count" in json.loads(data)["error"]["message"]
+    assert "/v1/completions" not in upstream.paths()
