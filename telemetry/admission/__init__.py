@@ -32,7 +32,8 @@ One request:
 
 Call `admission.wake(now)` whenever the limit may have risen (a hook answered, a hold was released, a replica came
 back) and wake the prompts it returns: on asyncio, `HeldPrompts` (waiting.py) does both, the one place every front
-door's held prompts wait (`await held.wait(prompt, hold.deadline, client_gone)`, `held.kick()`). Every decision is cheap (no I/O): thousands a second (tests/admission).
+door's held prompts wait (`await held.wait(prompt, hold.deadline, client_gone)`, `held.kick()`). Every decision
+is cheap (no I/O): thousands a second (tests/admission).
 `Forward`, `Hold`, `CountFirst`, `ReadModels`, `RefuseTransient`, `RefusePermanent` are in decisions.py; the refusal
 bodies and the rules for permanent against transient in refusal.py; the at-best limit in at_best.py; the queue's
 order rules in queue.py. This API is kept stable: it is extended, not broken.
