@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from telemetry.admission.refusal import EXCEEDS_MEMORY_AT_BEST
 from telemetry.catalogue.fields import GUARD_WOULD_NOT_FIT
 from telemetry.catalogue.metrics import FORECAST_MAX_PREFILL_TOKENS, GUARD_LIMIT_TOKENS
-from telemetry.guard.refusal import EXCEEDS_MEMORY_AT_BEST
 
 REPORT_FILE = "guard-report.md"
 SUMMARY_FILE = "guard-summary.json"
@@ -103,7 +103,7 @@ def verdict(phases: list[Phase]) -> dict[str, Any]:
         "unguarded_next_served": next_u.status == 200,
         "unguarded_node_alive_after": unguarded.node_alive_after,
         # Refused before the node saw it: for now (503), or for good once the guard knows what the node takes at best
-        # (400, telemetry/guard/at_best.py): which one depends on whether it has read the rank between prefills.
+        # (400, telemetry/admission/at_best.py): which one depends on whether it has read the rank between prefills.
         "guarded_1m_refused": (big_g.status == 503 and big_g.error_type == GUARD_WOULD_NOT_FIT)
         or (big_g.status == 400 and big_g.fields.get("reason") == EXCEEDS_MEMORY_AT_BEST),
         "guarded_1m_refusal_ms": round(big_g.seconds * 1000, 1),

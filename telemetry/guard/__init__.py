@@ -16,8 +16,7 @@ Standard library plus h11 and prometheus_client: it runs on serving boxes with t
 
 from telemetry.guard.limit import Limit, LimitTracker, RankFit, parse_fits
 from telemetry.guard.metrics import GuardCollector, GuardMetrics, guard_registry
-from telemetry.guard.prompt import PromptError, PromptSize, measure, parse_body
 from telemetry.guard.proxy import GuardLimits, GuardProxy
 
-__all__ = ["GuardCollector", "GuardLimits", "GuardMetrics", "GuardProxy", "Limit", "LimitTracker", "PromptError",
-           "PromptSize", "RankFit", "guard_registry", "measure", "parse_body", "parse_fits"]
+__all__ = ["GuardCollector", "GuardLimits", "GuardMetrics", "GuardProxy", "Limit", "LimitTracker", "RankFit",
+           "guard_registry", "parse_fits"]

@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from telemetry.admission.at_best import best_replica
 from telemetry.catalogue import described
 from telemetry.catalogue import metrics as catalogue
 from telemetry.catalogue.family import Family, HistogramFamily
-from telemetry.guard.at_best import best_replica
 from telemetry.guard.limit import LimitTracker
 
 # The guard adds well under a millisecond when it forwards by the byte bound, and an upstream /tokenize

@@ -16,12 +16,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from telemetry.admission.refusal import error_body
 from telemetry.catalogue import metrics as catalogue
 from telemetry.catalogue.fields import GUARD_BAD_REQUEST
 from telemetry.guard.bounds import GuardLimits
 from telemetry.guard.http import Channel, HttpError, Request, ServerSide
 from telemetry.guard.metrics import GuardMetrics
-from telemetry.guard.refusal import error_body
 from telemetry.guard.upstream import answer
 
 log = logging.getLogger("memtel.guard")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from telemetry.admission.pool import Replica as CoreReplica
+from telemetry.admission.refusal import error_body
 from telemetry.catalogue import metrics as catalogue
 from telemetry.catalogue.fields import GUARD_UPSTREAM_UNAVAILABLE
 from telemetry.guard.bounds import GuardLimits
@@ -34,7 +35,6 @@ from telemetry.guard.http import (
 )
 from telemetry.guard.limit import LimitTracker
 from telemetry.guard.metrics import GuardMetrics
-from telemetry.guard.refusal import error_body
 from telemetry.url import Endpoint
 
 JSON = "application/json"

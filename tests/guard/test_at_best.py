@@ -1,7 +1,7 @@
 """The permanent refusal by memory: a prompt over what the deployment could take at best (the ranks'
 `memtel_forecast_max_prefill_tokens_at_best`, read only where it can be trusted) gets the 400 no retry helps.
 
-The safety rule first (telemetry/guard/at_best.py): a reading taken while the guard had a prefill in flight on the
+The safety rule first (telemetry/admission/at_best.py): a reading taken while the guard had a prefill in flight on the
 replica is not used, nor one past the window, nor a replica with a stale hook or one without the gauge; unknown,
 the refusal stays transient. Then the answer itself (refusal.py), and end to end with a real guard on loopback,
 the OpenAI client and the queue.
@@ -17,13 +17,20 @@ import time
 import openai
 import pytest
 
-from telemetry.guard import at_best as at_best_module
-from telemetry.guard.at_best import AtBest, deployment_at_best
+from telemetry.admission import at_best as at_best_module
+from telemetry.admission.at_best import AtBest
+from telemetry.admission.readings import Readings
+from telemetry.admission.refusal import refusal_for
 from telemetry.guard.limit import Limit, LimitTracker, RankFit
 from telemetry.guard.proxy import GuardLimits
-from telemetry.guard.refusal import refusal_for
 from telemetry.url import parse_url
 from tests.guard.servers import RunningGuard, StubHook, exposition, request
+
+
+def deployment_at_best(trackers: list[Readings]) -> tuple[AtBest | None, str | None]:
+    """The core's at-best over these replicas, on this process's clocks now."""
+    return at_best_module.deployment_at_best(trackers, time.monotonic(), time.time())
+
 
 REJECTED = "memtel_guard_rejected_total"
 OUTCOMES = "memtel_guard_queue_outcomes_total"

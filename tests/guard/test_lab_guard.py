@@ -179,7 +179,7 @@ def test_a_32k_prompt_through_the_guard_gets_the_same_answer_as_going_direct(gua
 
 
 def test_a_1m_prompt_is_refused_in_milliseconds_and_the_node_keeps_serving(guarded):
-    """Over what the node takes at best (its limit at rest): refused for good, 400 (telemetry/guard/at_best.py)."""
+    """Over what the node takes at best (its limit at rest): refused for good, 400 (telemetry/admission/at_best.py)."""
     node, url, metrics = guarded
     assert complete(url, 100_000, seed=2)[0] == 200
     prompt_tokens_before = node.metric("vllm:prompt_tokens_total")

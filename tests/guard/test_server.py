@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from telemetry.admission.prompt import COMPLETIONS
 from telemetry.catalogue.fields import GUARD_NOT_FORWARDED
-from telemetry.guard.prompt import COMPLETIONS
 from telemetry.guard.proxy import GuardLimits
 from tests.guard.servers import RunningGuard, StubHook, exposition, make_proxy, request
 

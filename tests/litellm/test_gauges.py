@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from telemetry.admission.refusal import refusal_for
 from telemetry.errors import ConfigError
 from telemetry.guard.limit import MAX_METRICS_BYTES, Limit, LimitTracker, RankFit
-from telemetry.guard.refusal import refusal_for
 from telemetry.litellm.gauges import GateSettings, GaugeBook, Room, deployment_hooks, roomiest, scrape, upstream_root
 from telemetry.litellm.refusals import proxy_exception_kwargs
 from telemetry.url import parse_url
