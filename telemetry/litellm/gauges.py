@@ -9,8 +9,9 @@ for the first answers instead of passing blind.
 Each hook is scraped by a task of its own (`scrape`), so one slow hook never holds back the others' readings:
 its whole answer within MEMTEL_LITELLM_TIMEOUT_S, read at most MAX_HOOK_BYTES far, with httpx (the guard's h11
 client needs an `asyncio.Transport`, and LiteLLM's proxy runs on uvloop), parsed by the guard's parser in a worker
-thread and bounded (`bounded`: tokens <= 2^31, bytes <= MAX_NODE_BYTES) before the guard's `LimitTracker` sees
-it. The loop is supervised: a failure is logged once per kind, counted, and the scrapes go on.
+thread, where the core's `parse_hook` leaves out any rank past what a node can have (tokens over 2^31, bytes over
+16 TiB), before the guard's `LimitTracker` sees it. The loop is supervised: a failure is logged once per kind,
+counted, and the scrapes go on.
 
 The pool: a deployment whose hook or engine refuses a connection leaves it (`GaugeBook.leave`) and the gate
 decides again without it, until its hooks answer again.
@@ -45,9 +46,6 @@ MAX_RESERVE_MB = 16 << 20  # 16 TiB, as `memtel guard --reserve-mb`: more than a
 RANGES = {"hold_s": (0.0, 3600.0), "stale_s": (1.0, 86400.0), "reserve_mb": (0.0, float(MAX_RESERVE_MB)),
           "timeout_s": (0.05, 60.0)}
 UNITS = {"hold_s": "seconds", "stale_s": "seconds", "reserve_mb": "MiB", "timeout_s": "seconds"}
-# What a hook may say and still be believed (tokens and bytes past these are a broken or hostile exporter).
-MAX_TOKENS = 1 << 31
-MAX_NODE_BYTES = MAX_RESERVE_MB << 20
 MAX_HOOK_BYTES = MAX_METRICS_BYTES
 
 
@@ -132,29 +130,9 @@ def roomiest(rooms: Sequence[Room], tokens: int | None = None) -> Room | None:
     return best
 
 
-def bounded(fits: list[RankFit]) -> tuple[list[RankFit], list[str]]:
-    """The ranks whose readings are within what a node can have (tokens <= 2^31, bytes <= MAX_NODE_BYTES), and
-    why each other one is left out: one absurd gauge never reaches the limit's arithmetic."""
-    kept, rejected = [], []
-    for fit in fits:
-        bad = [f"{what} {value:g} is over {most:g}" for what, value, most in (
-            ("max prefill tokens", fit.max_prefill_tokens, MAX_TOKENS),
-            ("at-best tokens", fit.at_best_tokens or 0, MAX_TOKENS),
-            ("fit budget bytes", fit.budget_bytes or 0.0, MAX_NODE_BYTES),
-            ("forecast bytes", max((b for _t, b in fit.growth_bytes), default=0.0), MAX_NODE_BYTES))
-            if value > most]
-        if bad:
-            rejected.append(f"rank {fit.rank} on node {fit.node}: {', '.join(bad)}")
-        else:
-            kept.append(fit)
-    return kept, rejected
-
-
 def read_hook(body: bytes) -> tuple[list[RankFit], list[str]]:
-    """A hook's answer, parsed by the guard's parser and bounded (in a worker thread: it can be megabytes)."""
-    fits, rejected = parse_hook(body.decode("utf-8", "replace"))
-    kept, absurd = bounded(fits)
-    return kept, [*rejected, *absurd]
+    """A hook's answer, parsed and bounded by the core's parser (in a worker thread: it can be megabytes)."""
+    return parse_hook(body.decode("utf-8", "replace"))
 
 
 class GaugeBook:
@@ -298,5 +276,5 @@ async def _first_answers(trackers: list[LimitTracker], timeout_s: float) -> None
         await asyncio.sleep(0.01)
 
 
-__all__ = ["ENV", "HOOKS_KEY", "MAX_NODE_BYTES", "MAX_TOKENS", "PIN_KEY", "RANGES", "GateSettings", "GaugeBook",
-           "Room", "bounded", "deployment_hooks", "deployment_id", "read_hook", "roomiest", "scrape", "upstream_root"]
+__all__ = ["ENV", "HOOKS_KEY", "PIN_KEY", "RANGES", "GateSettings", "GaugeBook",
+           "Room", "deployment_hooks", "deployment_id", "read_hook", "roomiest", "scrape", "upstream_root"]
