@@ -40,7 +40,16 @@ order rules in queue.py. This API is kept stable: it is extended, not broken.
 """
 
 from telemetry.admission.at_best import AtBest, AtBestBook, best_replica, deployment_at_best, replica_at_best
-from telemetry.admission.core import BLIND_ROOM, WAITABLE, WHEN_BLIND, Admission, Now, Prompt, Settings
+from telemetry.admission.core import (
+    BLIND_ROOM,
+    SETTING_RANGES,
+    WAITABLE,
+    WHEN_BLIND,
+    Admission,
+    Now,
+    Prompt,
+    Settings,
+)
 from telemetry.admission.decisions import (
     CountFirst,
     Decision,
@@ -56,7 +65,8 @@ from telemetry.admission.prompt import PromptError, PromptSize, measure, parse_b
 from telemetry.admission.readings import HookReading, Limit, RankFit, Readings, parse_hook
 from telemetry.admission.refusal import Refusal, error_body, parse_models
 
-__all__ = ["BLIND_ROOM", "WAITABLE", "WHEN_BLIND", "Admission", "AtBest", "AtBestBook", "CountFirst", "Decision",
+__all__ = ["BLIND_ROOM", "SETTING_RANGES", "WAITABLE", "WHEN_BLIND", "Admission", "AtBest", "AtBestBook",
+           "CountFirst", "Decision",
            "Forward", "Hold", "HookReading", "Limit", "MaxModelLen", "Now", "Prompt", "PromptError", "PromptSize",
            "RankFit", "ReadModels", "Readings", "Refusal", "Refuse", "RefusePermanent", "RefuseTransient", "Replica",
            "ReplicaPool", "Settings", "best_replica", "deployment_at_best", "error_body", "measure", "parse_body",

@@ -37,7 +37,7 @@ from telemetry.admission.decisions import (
 from telemetry.admission.pool import Replica, ReplicaPool
 from telemetry.admission.prompt import PromptSize
 from telemetry.admission.queue import Waiting, WaitLine
-from telemetry.admission.readings import Limit
+from telemetry.admission.readings import MAX_NODE_BYTES, Limit
 from telemetry.admission.refusal import (
     RETRY_AFTER_S,
     Refusal,
@@ -59,6 +59,18 @@ class Now(NamedTuple):
 
     monotonic: float
     wall: float
+
+
+# The ranges every front door holds its settings to (the guard's flags, MEMTEL_LITELLM_*, the Ray router's kwargs):
+# under a second every forecast (the hook's cycle is 5 s) would be stale, the front door blind for good with nothing
+# said; a reserve past what any node has (readings.MAX_NODE_BYTES) refuses everything.
+SETTING_RANGES: dict[str, tuple[float, float]] = {
+    "queue_s": (0.0, 3600.0),  # how long a prompt that does not fit now waits (LiteLLM's hold_s)
+    "stale_s": (1.0, 86400.0),  # a hook's forecast older than this is not used
+    "reserve_mb": (0.0, float(int(MAX_NODE_BYTES) >> 20)),  # more of each rank's budget kept free
+    "timeout_s": (0.05, 60.0),  # one read of a hook or an engine
+    "max_queued": (1, 100_000),  # prompts waiting at once (each holds its body)
+}
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import logging
 import signal
 
 from telemetry import hook_env
+from telemetry.admission.core import SETTING_RANGES
 from telemetry.argtypes import add_log_level, bounded_float, bounded_int
 from telemetry.errors import INTERRUPTED, printable
 from telemetry.exporter import MetricsServer, format_listen, listen_failed, parse_listen
@@ -33,13 +34,10 @@ from telemetry.guard.replicas import MAX_HOOKS, engines, hook_targets
 log = logging.getLogger("memtel.guard")
 
 DEFAULT_STALE_S = 15.0  # three of the hook's default 5 s forecast cycles
-# Under a second every forecast (the hook's cycle is 5 s, its scrape up to a second's latency) would be stale:
-# the guard blind for good, with nothing said. As MEMTEL_LITELLM_STALE_S.
-MIN_STALE_S = 1.0
-MAX_STALE_S = 86400.0
-MAX_RESERVE_MB = 16 << 20  # 16 TiB
-MAX_QUEUE_S = 3600.0
-MAX_QUEUED = 100_000
+MIN_STALE_S, MAX_STALE_S = SETTING_RANGES["stale_s"]  # the ranges of every front door (the admission core)
+MAX_RESERVE_MB = SETTING_RANGES["reserve_mb"][1]
+MAX_QUEUE_S = SETTING_RANGES["queue_s"][1]
+MAX_QUEUED = int(SETTING_RANGES["max_queued"][1])
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from telemetry.admission.core import SETTING_RANGES
 from telemetry.admission.readings import HookReading, Limit, RankFit, parse_hook
 from telemetry.errors import ConfigError, printable, shown
 from telemetry.guard.limit import MAX_METRICS_BYTES, LimitTracker
@@ -40,11 +41,9 @@ log = logging.getLogger("memtel.litellm")
 PIN_KEY = "memtel_deployment"  # the request's metadata: the deployment the pre-call hook admitted it to
 ENV = {"hold_s": "MEMTEL_LITELLM_HOLD_S", "stale_s": "MEMTEL_LITELLM_STALE_S",
        "reserve_mb": "MEMTEL_LITELLM_RESERVE_MB", "timeout_s": "MEMTEL_LITELLM_TIMEOUT_S"}
-MAX_RESERVE_MB = 16 << 20  # 16 TiB, as `memtel guard --reserve-mb`: more than any node has
-# Each setting's range [floor, ceiling]. A staleness under a second, or a scrape timeout under 50 ms, would
-# keep every hook stale or every scrape failed: the gate would be blind for good, which is protection off.
-RANGES = {"hold_s": (0.0, 3600.0), "stale_s": (1.0, 86400.0), "reserve_mb": (0.0, float(MAX_RESERVE_MB)),
-          "timeout_s": (0.05, 60.0)}
+# Each setting's range [floor, ceiling]: every front door's (the admission core's SETTING_RANGES).
+RANGES = {"hold_s": SETTING_RANGES["queue_s"], "stale_s": SETTING_RANGES["stale_s"],
+          "reserve_mb": SETTING_RANGES["reserve_mb"], "timeout_s": SETTING_RANGES["timeout_s"]}
 UNITS = {"hold_s": "seconds", "stale_s": "seconds", "reserve_mb": "MiB", "timeout_s": "seconds"}
 MAX_HOOK_BYTES = MAX_METRICS_BYTES
 

@@ -47,6 +47,7 @@ from telemetry.admission import (
     parse_hook,
     parse_models,
 )
+from telemetry.admission.core import SETTING_RANGES
 from telemetry.admission.waiting import HeldPrompts, now
 from telemetry.catalogue.fields import GUARD_UPSTREAM_ERROR, GUARD_UPSTREAM_UNAVAILABLE
 from telemetry.errors import ConfigError
@@ -85,12 +86,14 @@ class RouterSettings:
             if isinstance(default, str):
                 if value not in ("admit", "reject"):
                     raise ConfigError(f"request_router_kwargs.{key}: expected 'admit' or 'reject', got {value!r}")
-            elif (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                  or value < 0 or (key in ("stale_s", "timeout_s") and value == 0)
-                  or (isinstance(default, int) and not isinstance(value, int))):
-                kind = "a whole number" if isinstance(default, int) else "a finite number"
-                raise ConfigError(f"request_router_kwargs.{key}: expected {kind} >= 0"
-                                  f"{' (not 0)' if key in ('stale_s', 'timeout_s') else ''}, got {value!r}")
+            else:
+                low, high = SETTING_RANGES[key]
+                whole = isinstance(default, int)
+                if (isinstance(value, bool) or not isinstance(value, int if whole else (int, float))
+                        or not math.isfinite(value) or not low <= value <= high):
+                    kind = "a whole number" if whole else "a finite number"
+                    raise ConfigError(f"request_router_kwargs.{key}: expected {kind} from {low:g} to {high:g}, "
+                                      f"got {value!r}")
             values[key] = value
         return cls(**values)
 

@@ -121,11 +121,15 @@ def test_a_replica_that_leaves_serve_leaves_the_pool(hooks: dict[str, StubHook])
 
 @pytest.mark.parametrize(("kwargs", "says"), [
     ({"hold_s": 1}, "unknown key 'hold_s'; expected queue_s, max_queued"),
-    ({"queue_s": -1}, "queue_s: expected a finite number >= 0"),
-    ({"stale_s": 0}, "stale_s: expected a finite number >= 0 (not 0)"),
+    ({"queue_s": -1}, "queue_s: expected a finite number from 0 to 3600, got -1"),
+    ({"stale_s": 0}, "stale_s: expected a finite number from 1 to 86400"),
+    ({"stale_s": 1e-9}, "stale_s: expected a finite number from 1 to 86400"),   # blind for good, nothing said
     ({"timeout_s": float("nan")}, "timeout_s: expected a finite number"),
-    ({"max_queued": 2.5}, "max_queued: expected a whole number >= 0"),
+    ({"timeout_s": 1e-9}, "timeout_s: expected a finite number from 0.05 to 60"),
+    ({"max_queued": 2.5}, "max_queued: expected a whole number from 1 to 100000"),
+    ({"max_queued": 0}, "max_queued: expected a whole number from 1 to 100000"),
     ({"reserve_mb": True}, "reserve_mb: expected a finite number"),
+    ({"reserve_mb": 1e300}, "reserve_mb: expected a finite number from 0 to 1.67772e+07"),  # refuses everything
     ({"when_blind": "maybe"}, "when_blind: expected 'admit' or 'reject'"),
 ])
 def test_bad_router_kwargs_are_one_line_naming_what_is_expected(kwargs: dict[str, Any], says: str) -> None:
