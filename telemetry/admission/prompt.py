@@ -38,10 +38,8 @@ CHAT_MESSAGE_TOKENS = 64
 # The special tokens a tokenizer adds to one sequence: a begin and an end token at most (Llama, Mistral and
 # Gemma add a begin token, BERT-style post-processors a begin and an end, GPT-2 and Qwen none).
 SPECIAL_TOKENS_PER_PROMPT = 2
-# When the byte bound is this many times the words or more (long runs of whitespace, text without spaces)
-# and it would hold more than 1/HOLD_COUNT_SHARE of the rank's limit, the prompt is counted by /tokenize
-# before it is admitted, so it holds what its prefill needs, not its bytes (PromptSize.count_to_hold).
-HOLD_COUNT_RATIO = 8
+# When the byte bound would hold more than 1/HOLD_COUNT_SHARE of the rank's limit, the prompt is counted by
+# /tokenize before it is admitted, so it holds what its prefill needs, not its bytes (PromptSize.count_to_hold).
 HOLD_COUNT_SHARE = 8
 
 COMPLETIONS = "/v1/completions"
@@ -111,15 +109,16 @@ class PromptSize:
         return self.engine_only is None and self.most_tokens <= limit_tokens
 
     def count_to_hold(self, rank_tokens: int) -> bool:
-        """Admitted by its byte bound, it would hold far more than its prefill needs: count it first.
+        """Admitted by its byte bound, it would hold more of the rank than its prefill needs: count it first.
 
-        The bound is HOLD_COUNT_RATIO times the words or more (one word and 399,999 spaces; text without
-        spaces) and it would take more than 1/HOLD_COUNT_SHARE of the rank's limit: holding the bytes would
-        refuse other requests `in_prefill` for tokens this prompt does not have.
+        The bound is a byte a token; text has several bytes a token (English about four, seven-byte words, one
+        word and 399,999 spaces), so a bound that takes more than 1/HOLD_COUNT_SHARE of the rank's limit would
+        keep other requests waiting `in_prefill` for tokens this prompt does not have, for as long as its hold
+        lasts (a whole answer when it is not streamed). One /tokenize is cheap beside such a prefill; below the
+        share, holding the bound is cheaper than asking.
         """
         return (not self.exact and self.tokenize_body is not None and self.countable
-                and self.most_tokens * HOLD_COUNT_SHARE > rank_tokens
-                and self.most_tokens >= HOLD_COUNT_RATIO * max(1, self.least_tokens))
+                and self.most_tokens * HOLD_COUNT_SHARE > rank_tokens)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -379,6 +378,6 @@ def _responses(body: dict[str, Any]) -> PromptSize:
                       engine_only=size.engine_only, model=body.get("model"), param="input")
 
 
-__all__ = ["CHAT_COMPLETIONS", "CHAT_MESSAGE_TOKENS", "CHAT_TEMPLATE_TOKENS", "COMPLETIONS", "HOLD_COUNT_RATIO",
+__all__ = ["CHAT_COMPLETIONS", "CHAT_MESSAGE_TOKENS", "CHAT_TEMPLATE_TOKENS", "COMPLETIONS",
            "HOLD_COUNT_SHARE", "RESPONSES", "SPECIAL_TOKENS_PER_PROMPT", "PromptError", "PromptSize", "count_words",
            "measure", "parse_body"]

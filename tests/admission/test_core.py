@@ -66,7 +66,7 @@ def settle(core: Admission, prompt: Prompt, now: Now, *, count: int | None = Non
 
 
 def test_a_prompt_that_fits_by_its_bytes_is_forwarded_holding_them_until_released():
-    core = Admission([replica()])
+    core = Admission([replica(tokens=10_000)])   # its bytes a small share of the rank: held, not counted
     decision = core.decide(words(100), T0)
     assert isinstance(decision, Forward) and decision.counted_by == "byte_bound" and decision.tokens >= 100
     assert core.replicas[0].readings.in_prefill_tokens == decision.tokens

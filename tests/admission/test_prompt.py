@@ -143,7 +143,14 @@ def test_one_word_and_many_spaces_is_counted_before_it_holds_its_bytes():
     assert padded.fits_by_bound(401_244) and padded.count_to_hold(401_244)
     assert not padded.count_to_hold(10_000_000)  # a small share of a big rank: holding the bound is cheap
     prose = measure("/v1/completions", {"prompt": "word " * 100})
-    assert not prose.count_to_hold(1000)  # 5 bytes a word: the bound is held, no /tokenize
+    assert not prose.count_to_hold(10_000)  # a small share: the bound is held, no /tokenize
+
+
+def test_seven_byte_words_that_would_hold_most_of_the_rank_are_counted_first():
+    """57,000 seven-byte words held 399,001 tokens of a 401,244-token rank for a whole non-streamed answer (issue
+    41): other prompts waited for tokens it did not have. Counted first, it holds what /tokenize says."""
+    words = measure("/v1/completions", {"prompt": "abcdef " * 57_000})
+    assert words.fits_by_bound(401_244) and words.count_to_hold(401_244)
 
 
 @pytest.mark.parametrize(("raw", "words"), [

@@ -274,7 +274,7 @@ def test_a_client_that_leaves_a_held_prompt_ends_the_hold() -> None:
 def test_a_held_prompt_is_admitted_when_the_hold_ahead_of_it_is_released(upstream: StubUpstream) -> None:
     """The core's queue through the gate: a second prompt that does not fit beside the first waits, is woken by the
     first one's release (not by a poll) and admitted long before its deadline."""
-    hooks = StubHook(lambda: exposition(10_000))
+    hooks = StubHook(lambda: exposition(5_000))   # each counted by /tokenize (3,000 words): one fits at a time
     try:
         deployments = [deployment("a", upstream.url, [hooks.url])]
 
