@@ -520,6 +520,25 @@ GUARD_REPLICA_FORWARDED = counter(
     "Requests the guard forwarded to each replica (completions and pass-through paths).", ("replica",),
     source="guard")
 
+# -- the LiteLLM gate (telemetry/litellm/metrics.py): GET /memtel/metrics on the proxy ----------------------------
+LITELLM_DEPLOYMENT_BLIND = gauge(
+    "memtel_litellm_deployment_blind",
+    "1 while a guarded deployment the gate has met is blind: no fresh forecast from its hooks (no answer, a failed "
+    "scrape, a hook without the forecast); its prompts are then held or refused, never sized by memory.",
+    ("deployment",), source="litellm")
+LITELLM_HOOK_SCRAPE_FAILURES = counter(
+    "memtel_litellm_hook_scrape_failures",
+    "Scrapes of a guarded deployment's hook exporter that failed (no answer, an error status, a malformed or "
+    "oversized answer), by hook URL.", ("hook",), source="litellm")
+LITELLM_HOLDS = gauge(
+    "memtel_litellm_holds",
+    "Admitted requests whose hold is in the gate's book now (their call has not ended).", source="litellm")
+LITELLM_REFUSALS = counter(
+    "memtel_litellm_refusals",
+    "Requests the gate refused, by reason (the admission core's: would_not_fit, in_prefill, blind, no_replica, "
+    "context_length_exceeded, exceeds_memory_at_best, bad_request, unknown_model, unsized_route, ...).",
+    ("reason",), source="litellm")
+
 # -- the lab server (harness/labserver/server.py) --------------------------------------------------------------
 LAB_INDEXER_LAUNCHES = counter("memtel_lab_indexer_launches", "Indexer logits launches made, per rank summed.",
                                ("model_name", "engine"), source="lab")   # labelled as the lab's vLLM series

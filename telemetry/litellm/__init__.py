@@ -7,8 +7,11 @@
   deployments its model names, /tokenize and /v1/models asked, held until woken, pinned, or refused; it fails
   closed. No LiteLLM import either.
 - upstream.py: /tokenize and /v1/models of a deployment's engine over kept-alive connections.
-- client.py: `ClientWatch`, the ASGI middleware that sees a held prompt's client leave and ends a request's
-  holds however it ends.
+- client.py: `ClientWatch`, the ASGI middleware that sees a client leave (a held prompt is dropped, a forwarded
+  one's upstream call cancelled) and ends a request's holds however it ends.
+- metrics.py: `GateMetrics`, the gate's own registry (blind deployments, failed scrapes, holds, refusals) and
+  why it is blind, served by client.py's middleware at `GET /memtel/metrics` and in `/health*`'s
+  `x-memtel-gate-blind` header.
 - refusals.py: a Refusal as the arguments of LiteLLM's ProxyException, named for the gate.
 - pre_call.py: `MemtelPreCall`, a `CustomLogger` whose `async_pre_call_hook` asks the gate and carries out its
   answer in LiteLLM's terms.

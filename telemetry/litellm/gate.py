@@ -97,6 +97,7 @@ class Gate:
         self.book = book
         self.upstreams = upstreams or Upstreams()
         self.held: dict[str, tuple[Admission, Forward]] = {}
+        self.refusals: dict[str, int] = {}  # refusals by reason (the core's counted_as), for metrics.py
         self._replicas: dict[str, Replica] = {}  # deployment key -> its replica, shared by every admission
         self._deployments: dict[str, dict[str, Any]] = {}  # replica name -> its deployment
         self._admissions: dict[tuple[str, ...], Admission] = {}
@@ -108,6 +109,15 @@ class Gate:
         """Pass (None), admit (Admitted) or refuse (Refusal) one request; ClientLeft if its client leaves while it
         is held. `deployments`: those its model names; `any_guarded`: whether any deployment of the proxy names
         hooks."""
+        try:
+            return await self._decide(call_type, body, deployments, any_guarded, gone)
+        except Refusal as refusal:
+            reason = refusal.counted_as or refusal.reason or f"http_{refusal.status}"
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
+            raise
+
+    async def _decide(self, call_type: str, body: dict[str, Any], deployments: Sequence[dict[str, Any]],
+                      any_guarded: bool, gone: Callable[[], Awaitable[None]]) -> Admitted | None:
         model = body.get("model")
         if not deployments:
             if any_guarded and (model is not None or call_type in SIZED):
@@ -147,7 +157,13 @@ class Gate:
                     await self._read_models(admission, decision.replica)
                 elif isinstance(decision, Hold):
                     leaving = leaving or asyncio.ensure_future(gone())
-                    if not await self.held_prompts.wait(prompt, decision.deadline, leaving):
+                    try:
+                        waited = await self.held_prompts.wait(prompt, decision.deadline, leaving)
+                    except asyncio.CancelledError:  # the request's app call cancelled (its client left): not held
+                        admission.leave(prompt, now())
+                        self.kick()
+                        raise
+                    if not waited:
                         admission.leave(prompt, now())
                         self.kick()
                         raise ClientLeft(f"{time.monotonic() - started:.2f}")
@@ -249,6 +265,11 @@ class Gate:
         replica = self._replicas.get(deployment) if isinstance(deployment, str) else None
         if replica is not None:
             self._leave(replica, reason)
+
+    def trackers(self) -> dict[str, LimitTracker]:
+        """Each deployment the gate has met (its id) and its readings, for metrics.py."""
+        return {name: replica.readings for name, replica in self._replicas.items()
+                if isinstance(replica.readings, LimitTracker)}
 
     def in_pool(self, deployment: dict[str, Any]) -> bool:
         found = deployment_id(deployment)

@@ -38,6 +38,7 @@ from telemetry.errors import ConfigError, printable
 from telemetry.litellm import client
 from telemetry.litellm.gate import HOLD_KEY, ClientLeft, Gate, named_deployments
 from telemetry.litellm.gauges import ENV, PIN_KEY, GateSettings, GaugeBook, deployment_id
+from telemetry.litellm.metrics import GateMetrics
 from telemetry.litellm.refusals import proxy_exception_kwargs
 
 # What LiteLLM adds to a request's data before the hook: never part of the client's prompt.
@@ -78,7 +79,8 @@ class OneLineRefusals(logging.Filter):
 
 BOOK = GaugeBook(settings_or_exit())  # one per proxy process: the routing strategy reads the same gauges
 GATE = Gate(BOOK)
-client.install()  # a held prompt's client is seen leaving, a hold ends with its request (in a LiteLLM proxy)
+client.show(GateMetrics(GATE))  # GET /memtel/metrics, and /health's blind header
+client.install()  # a client is seen leaving, a hold ends with its request (in a LiteLLM proxy)
 logging.getLogger(PROXY_LOGGER).addFilter(OneLineRefusals())
 
 

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 import types
 from typing import Any
 
 import pytest
 
 from telemetry.litellm import client
+from telemetry.litellm.gate import Admitted, Gate
+from telemetry.litellm.gauges import GateSettings, GaugeBook
+from tests.guard.servers import StubHook, exposition
 
 
 def channel(*messages: dict[str, Any]) -> Any:
@@ -74,3 +78,92 @@ def test_install_wraps_a_started_app_once_and_adds_to_one_not_started(monkeypatc
     monkeypatch.setitem(sys.modules, client.PROXY_MODULE, types.SimpleNamespace(app=fresh))
     assert client.install() and client.install()
     assert [m.cls for m in fresh.user_middleware] == [client.ClientWatch] and fresh.middleware_stack is None
+
+
+# -- a client that leaves: the app call cancelled, its hold released ---------------------------------------------
+
+class Client:
+    """An ASGI server's channel for one request: its body, then, once told to (`leave`), `http.disconnect`; what
+    the app sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.left_at: float | None = None
+        self._gone = asyncio.Event()
+        self._body_sent = False
+
+    async def receive(self) -> dict[str, Any]:
+        if not self._body_sent:
+            self._body_sent = True
+            return {"type": "http.request", "body": b'{"model": "llm"}', "more_body": False}
+        await self._gone.wait()
+        return {"type": "http.disconnect"}
+
+    def leave(self) -> None:
+        self.left_at = time.monotonic()
+        self._gone.set()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+
+SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+
+
+def test_a_client_that_leaves_a_forwarded_request_cancels_its_upstream_call_and_ends_its_hold() -> None:
+    """The app (as LiteLLM: reads the body, the gate admits and holds, then awaits the upstream's answer) is
+    cancelled within 0.5 s of the client leaving, and the gate's book is empty afterwards."""
+    hook = StubHook(lambda: exposition(100_000))
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        gate = Gate(GaugeBook(GateSettings(stale_s=3, timeout_s=1, hold_s=0)))
+        guarded = {"model_name": "llm", "litellm_params": {"model": "openai/m", "api_base": "http://127.0.0.1:9/v1"},
+                   "model_info": {"id": "a", "memtel_hooks": [hook.url]}}
+        chat = {"model": "llm", "messages": [{"role": "user", "content": "w " * 10}]}
+        person = Client()
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            while (await receive()).get("more_body"):
+                pass
+            seen["admitted"] = await gate.decide("acompletion", chat, [guarded], True)
+            seen["held"] = len(gate.held)
+            asyncio.get_running_loop().call_later(0.1, person.leave)
+            try:
+                await asyncio.sleep(30)  # the upstream's answer, a long generation
+            except asyncio.CancelledError:
+                seen["cancelled_after"] = time.monotonic() - (person.left_at or 0)
+                raise
+
+        try:
+            await asyncio.wait_for(client.ClientWatch(app)(SCOPE, person.receive, person.send), 2)
+            seen["book"] = dict(gate.held)
+        finally:
+            await gate.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        hook.stop()
+    assert isinstance(seen["admitted"], Admitted) and seen["held"] == 1
+    assert seen["cancelled_after"] < 0.5 and seen["book"] == {}
+
+
+def test_the_servers_disconnect_after_the_answer_cancels_nothing() -> None:
+    """A server says `http.disconnect` once the answer's last byte is sent: what the app does after it (Starlette's
+    background tasks: LiteLLM's logging) runs to its end."""
+    person = Client()
+    done: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+        person.leave()
+        await asyncio.sleep(0.2)
+        done.append("after the answer")
+
+    asyncio.run(client.ClientWatch(app)(SCOPE, person.receive, person.send))
+    assert done == ["after the answer"] and [m["type"] for m in person.sent] == ["http.response.start",
+                                                                                 "http.response.body"]
+
