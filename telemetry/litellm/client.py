@@ -37,6 +37,7 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 _RECEIVE: ContextVar[Receive | None] = ContextVar("memtel_litellm_receive", default=None)
+_GONE: ContextVar[asyncio.Event | None] = ContextVar("memtel_litellm_gone", default=None)
 _ENDINGS: ContextVar[list[Callable[[], None]] | None] = ContextVar("memtel_litellm_endings", default=None)
 PROXY_MODULE = "litellm.proxy.proxy_server"
 METRICS_PATH = "/memtel/metrics"  # the gate's own metrics, served by the middleware
@@ -80,7 +81,7 @@ class ClientWatch:
             await _metrics(view, send)
             return
         request = _Request(receive, send, view if str(scope.get("path", "")).startswith("/health") else None)
-        token = _RECEIVE.set(request.receive)
+        token, gone_token = _RECEIVE.set(request.receive), _GONE.set(request.gone)
         endings: list[Callable[[], None]] = []
         ending = _ENDINGS.set(endings)
         task = asyncio.ensure_future(self.app(scope, request.receive, request.send))  # sees both context variables
@@ -99,6 +100,7 @@ class ClientWatch:
                     running.cancel()
             _ENDINGS.reset(ending)
             _RECEIVE.reset(token)
+            _GONE.reset(gone_token)
             for callback in endings:
                 callback()
 
@@ -176,6 +178,12 @@ def watched() -> bool:
     return _RECEIVE.get() is not None
 
 
+def has_left() -> bool:
+    """Whether this request's client has closed its connection (ClientWatch then cancels its app call)."""
+    gone = _GONE.get()
+    return gone is not None and gone.is_set()
+
+
 def on_end(callback: Callable[[], None]) -> bool:
     """Run `callback` when this request ends, however; False where it is not watched (nothing will call it)."""
     endings = _ENDINGS.get()
@@ -195,4 +203,4 @@ async def left() -> None:
         pass  # before the body is whole: the server's messages; after it, ClientWatch's watcher says it
 
 
-__all__ = ["BLIND_HEADER", "METRICS_PATH", "ClientWatch", "GateView", "install", "left", "on_end", "show", "watched"]
+__all__ = ["BLIND_HEADER", "METRICS_PATH", "ClientWatch", "GateView", "has_left", "install", "left", "on_end", "show", "watched"]

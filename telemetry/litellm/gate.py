@@ -159,10 +159,14 @@ class Gate:
                     leaving = leaving or asyncio.ensure_future(gone())
                     try:
                         waited = await self.held_prompts.wait(prompt, decision.deadline, leaving)
-                    except asyncio.CancelledError:  # the request's app call cancelled (its client left): not held
+                    except asyncio.CancelledError:  # the request's app call cancelled: the prompt is not held
                         admission.leave(prompt, now())
                         self.kick()
-                        raise
+                        task = asyncio.current_task()
+                        if not client.has_left() or task is None:
+                            raise
+                        task.uncancel()  # ClientWatch cancelled it for the client's leaving: said as that
+                        raise ClientLeft(f"{time.monotonic() - started:.2f}") from None
                     if not waited:
                         admission.leave(prompt, now())
                         self.kick()

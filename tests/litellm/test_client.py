@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from telemetry.litellm import client
-from telemetry.litellm.gate import Admitted, Gate
+from telemetry.litellm.gate import Admitted, ClientLeft, Gate
 from telemetry.litellm.gauges import GateSettings, GaugeBook
 from tests.guard.servers import StubHook, exposition
 
@@ -167,3 +167,44 @@ def test_the_servers_disconnect_after_the_answer_cancels_nothing() -> None:
     assert done == ["after the answer"] and [m["type"] for m in person.sent] == ["http.response.start",
                                                                                  "http.response.body"]
 
+
+
+def test_a_client_that_leaves_a_held_prompt_is_said_as_left_whichever_wakes_first() -> None:
+    """A prompt held in the gate when its client leaves: the gate's `left()` and the middleware's cancel both see
+    it; either way the pre-call hook gets ClientLeft (its one log line, LiteLLM's 499), within 0.5 s, and the
+    core's queue and the book are empty. Ten times: both orders occur."""
+    hook = StubHook(lambda: exposition(10))
+    outcomes: list[tuple[str, float, int, int]] = []
+
+    async def main() -> None:
+        gate = Gate(GaugeBook(GateSettings(stale_s=3, timeout_s=1, hold_s=5)))
+        guarded = {"model_name": "llm", "litellm_params": {"model": "openai/m", "api_base": "http://127.0.0.1:9/v1"},
+                   "model_info": {"id": "a", "memtel_hooks": [hook.url]}}
+        chat = {"model": "llm", "messages": [{"role": "user", "content": "w " * 100}]}
+        try:
+            for _ in range(10):
+                person = Client()
+
+                async def app(scope: Any, receive: Any, send: Any, person: Client = person) -> None:
+                    await receive()
+                    asyncio.get_running_loop().call_later(0.05, person.leave)
+                    await gate.decide("acompletion", chat, [guarded], True)
+
+                try:
+                    await asyncio.wait_for(client.ClientWatch(app)(SCOPE, person.receive, person.send), 2)
+                    outcome = "returned"
+                except ClientLeft:
+                    outcome = "left"
+                except asyncio.CancelledError:
+                    outcome = "cancelled"
+                queued = sum(a.queued for a in gate._admissions.values())
+                outcomes.append((outcome, time.monotonic() - (person.left_at or 0), queued, len(gate.held)))
+        finally:
+            await gate.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        hook.stop()
+    assert all(outcome == "left" and after < 0.5 and queued == 0 and held == 0
+               for outcome, after, queued, held in outcomes), outcomes

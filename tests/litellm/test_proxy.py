@@ -28,6 +28,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness.demo.guarded import FORECAST_ENV, NODE_ARGS, Process, prompt_text
 from harness.ports import free_port_block
@@ -468,6 +469,22 @@ def test_the_proxy_says_the_callbacks_are_loaded_and_refusals_in_one_line(stack:
     text = (stack.tmp / "proxy.log").read_text(errors="replace")
     assert text.count("memtel: the LiteLLM gate's callbacks are loaded (MEMTEL_LITELLM_HOLD_S=2, ") == 1
     assert "Traceback" not in text, text[-3000:]
+
+
+def test_the_gate_serves_its_metrics_on_the_proxys_port(stack: Stack) -> None:
+    """After the refusals above, with both nodes seen: `GET /memtel/metrics` (the middleware's, no key) answers the
+    gate's series, neither deployment blind, the unknown model's refusal counted; /health says nothing of
+    blindness."""
+    answer = httpx.get(f"{stack.url}/memtel/metrics", timeout=10)
+    assert answer.status_code == 200, answer.text[:500]
+    found = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for family in text_string_to_metric_families(answer.text) for s in family.samples}
+    assert {d: found[("memtel_litellm_deployment_blind", (("deployment", d),))] for d in CAPACITIES} == {
+        "small": 0.0, "big": 0.0}
+    assert found[("memtel_litellm_refusals_total", (("reason", "unknown_model"),))] >= 1
+    assert ("memtel_litellm_holds", ()) in found
+    health = httpx.get(f"{stack.url}/health/liveliness", timeout=10)
+    assert health.status_code == 200 and "x-memtel-gate-blind" not in health.headers
 
 
 def test_after_one_deployment_dies_long_and_short_prompts_through_the_sdk_do_not_fail(stack: Stack) -> None:
