@@ -203,4 +203,5 @@ async def left() -> None:
         pass  # before the body is whole: the server's messages; after it, ClientWatch's watcher says it
 
 
-__all__ = ["BLIND_HEADER", "METRICS_PATH", "ClientWatch", "GateView", "has_left", "install", "left", "on_end", "show", "watched"]
+__all__ = ["BLIND_HEADER", "METRICS_PATH", "ClientWatch", "GateView", "has_left", "install", "left", "on_end", "show",
+           "watched"]
