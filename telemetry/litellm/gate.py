@@ -162,10 +162,12 @@ class Gate:
                     except asyncio.CancelledError:  # the request's app call cancelled: the prompt is not held
                         admission.leave(prompt, now())
                         self.kick()
-                        task = asyncio.current_task()
-                        if not client.has_left() or task is None:
+                        if not client.has_left():
                             raise
-                        task.uncancel()  # ClientWatch cancelled it for the client's leaving: said as that
+                        # ClientWatch cancelled it for the client's leaving: said as that, the cancel answered
+                        uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11 on
+                        if uncancel is not None:
+                            uncancel()
                         raise ClientLeft(f"{time.monotonic() - started:.2f}") from None
                     if not waited:
                         admission.leave(prompt, now())
