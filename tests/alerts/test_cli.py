@@ -1,6 +1,6 @@
 """Teeth for `memtel alerts` (telemetry/alerts/cli.py, issue 30's mutation testing): its flags, its exit
 status and its two outputs, in-process (tests/support/cli.py). promtool checks the rules for real; what the
-rules did on the timeline is handed to the score by hand (test_teeth_score.py says why)."""
+rules did on the timeline is handed to the score by hand (test_score.py says why)."""
 
 from __future__ import annotations
 
