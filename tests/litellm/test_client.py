@@ -182,6 +182,7 @@ def test_a_client_that_leaves_a_held_prompt_is_said_as_left_whichever_wakes_firs
                    "model_info": {"id": "a", "memtel_hooks": [hook.url]}}
         chat = {"model": "llm", "messages": [{"role": "user", "content": "w " * 100}]}
         try:
+            await gate.book.rooms([guarded])  # the hook answered: each prompt below is held when its client leaves
             for _ in range(10):
                 person = Client()
 
