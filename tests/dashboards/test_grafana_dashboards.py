@@ -305,3 +305,13 @@ def test_provisioning_files():
     assert providers["apiVersion"] == 1
     (provider,) = providers["providers"]
     assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
+
+
+def test_the_dashboards_open_on_memtels_data_source(dashboard):
+    """A dashboard's data-source variable starts on the provisioned memtel-prometheus (the same uid and name), not
+    on whatever Grafana's default Prometheus is; a Grafana without it falls back to its default."""
+    root = promql.ROOT / "configs" / "grafana" / "provisioning"
+    (source,) = yaml.safe_load((root / "datasources" / "memtel-prometheus.yml").read_text())["datasources"]
+    (variable,) = [v for v in dashboard["templating"]["list"] if v.get("type") == "datasource"]
+    assert variable["current"]["value"] == source["uid"] == source["name"]
+
