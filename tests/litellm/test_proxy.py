@@ -472,9 +472,12 @@ def test_the_proxy_says_the_callbacks_are_loaded_and_refusals_in_one_line(stack:
 
 
 def test_the_gate_serves_its_metrics_on_the_proxys_port(stack: Stack) -> None:
-    """After the refusals above, with both nodes seen: `GET /memtel/metrics` (the middleware's, no key) answers the
-    gate's series, neither deployment blind, the unknown model's refusal counted; /health says nothing of
-    blindness."""
+    """With both nodes seen: `GET /memtel/metrics` (the middleware's, no key) answers the gate's series, neither
+    deployment blind, an unknown model's refusal counted; /health says nothing of blindness."""
+    assert stack.chat(10, 11).status_code == 200  # the group's deployments met
+    unknown = httpx.post(f"{stack.url}/v1/chat/completions", headers={"Authorization": f"Bearer {stack.key}"},
+                         json={"model": "nosuch", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert unknown.status_code == 400
     answer = httpx.get(f"{stack.url}/memtel/metrics", timeout=10)
     assert answer.status_code == 200, answer.text[:500]
     found = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -485,6 +488,53 @@ def test_the_gate_serves_its_metrics_on_the_proxys_port(stack: Stack) -> None:
     assert ("memtel_litellm_holds", ()) in found
     health = httpx.get(f"{stack.url}/health/liveliness", timeout=10)
     assert health.status_code == 200 and "x-memtel-gate-blind" not in health.headers
+
+
+def closed_by_peer(ports: list[int]) -> set[tuple[str, str]]:
+    """The TCP connections on `ports` (the nodes' side) that their peer has closed and the node has not (CLOSE_WAIT):
+    (local, remote) as /proc/net/tcp writes them."""
+    wanted = {f"{port:04X}" for port in ports}
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] == "08" and fields[1].rsplit(":", 1)[1] in wanted:
+                    found.add((fields[1], fields[2]))
+    return found
+
+
+def test_a_client_that_leaves_a_forwarded_call_closes_the_nodes_connection(stack: Stack) -> None:
+    """A raw socket sends a non-streamed completion with a long answer (~8 s of decode) and closes once the node
+    generates: LiteLLM's upstream call is cancelled, so the node sees its connection closed (CLOSE_WAIT on its side)
+    long before its answer would end, and the gate's book is empty (vLLM aborts a request whose connection
+    closes; the lab node only sees the close)."""
+    ports = [port for port, _hook in stack.ports.values()]
+    before = closed_by_peer(ports)
+    generated = stack.generated()
+    body = json.dumps({"model": GROUP, "max_tokens": LONG_ANSWER,
+                       "messages": [{"role": "user", "content": prompt_text(100, 9)}]}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{stack.proxy_port}\r\n"
+            f"Authorization: Bearer {stack.key}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", stack.proxy_port)) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 10
+        while stack.generated() < generated + 100:  # the node is generating its answer
+            assert time.monotonic() < deadline, "the node never started the answer"
+            time.sleep(0.02)
+    closed = time.monotonic()
+    while not closed_by_peer(ports) - before:
+        assert time.monotonic() < closed + 3, "the node's connection stayed open after the client left"
+        time.sleep(0.02)
+    print(f"the node saw its connection closed {time.monotonic() - closed:.2f} s after the client left")
+    assert stack.generated() < generated + LONG_ANSWER  # before its answer would have ended
+    while True:
+        metrics = httpx.get(f"{stack.url}/memtel/metrics", timeout=10).text
+        if re.search(r"^memtel_litellm_holds 0\.0$", metrics, re.M):
+            break
+        assert time.monotonic() < closed + 3, "the hold outlived its client"
+        time.sleep(0.05)
 
 
 def test_after_one_deployment_dies_long_and_short_prompts_through_the_sdk_do_not_fail(stack: Stack) -> None:
