@@ -37,7 +37,7 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 _RECEIVE: ContextVar[Receive | None] = ContextVar("memtel_litellm_receive", default=None)
-_GONE: ContextVar[asyncio.Event | None] = ContextVar("memtel_litellm_gone", default=None)
+_GONE: ContextVar[asyncio.Event | None] = ContextVar("litellm_client_gone", default=None)
 _ENDINGS: ContextVar[list[Callable[[], None]] | None] = ContextVar("memtel_litellm_endings", default=None)
 PROXY_MODULE = "litellm.proxy.proxy_server"
 METRICS_PATH = "/memtel/metrics"  # the gate's own metrics, served by the middleware
