@@ -53,34 +53,27 @@ ensure_vllm_venv() {
     printf '%s' "$want" > "$venv/.memtel-stamp"
 }
 
-# ensure_litellm_venv: .venv-litellm with memtel[litellm] (a LiteLLM proxy and memtel's hook and routing
-# strategy; docs/guard.md, "Where users already have a gateway"). Its own venv: litellm[proxy] would move the
-# test venv's rich and python-dateutil back a major version and adds ~750 MB.
-ensure_litellm_venv() {
-    local venv="$ROOT/.venv-litellm" want have=""
-    want=$(stamp_of litellm)
+# ensure_extra_venv EXTRA HOW_LONG: .venv-EXTRA with memtel[EXTRA] installed editable, in a venv of its own.
+ensure_extra_venv() {
+    local extra=$1 how_long=$2 venv="$ROOT/.venv-$1" want have=""
+    want=$(stamp_of "$extra")
     [ -f "$venv/.memtel-stamp" ] && have=$(cat "$venv/.memtel-stamp")
     if [ -x "$venv/bin/python" ] && [ "$have" = "$want" ]; then return 0; fi
     [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
-    log "installing memtel[litellm] into $venv (about 7 minutes when new)"
+    log "installing memtel[$extra] into $venv ($how_long when new)"
     pip_quiet "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-    pip_quiet "$venv/bin/python" -m pip install -q -e "$ROOT[litellm]"
+    pip_quiet "$venv/bin/python" -m pip install -q -e "$ROOT[$extra]"
     printf '%s' "$want" > "$venv/.memtel-stamp"
 }
 
+# ensure_litellm_venv: .venv-litellm with memtel[litellm] (a LiteLLM proxy and memtel's hook and routing
+# strategy; docs/guard.md, "Where users already have a gateway"). Its own venv: litellm[proxy] would move the
+# test venv's rich and python-dateutil back a major version and adds ~750 MB.
+ensure_litellm_venv() { ensure_extra_venv litellm "about 7 minutes"; }
+
 # ensure_ray_venv: .venv-ray with memtel[ray] (Ray Serve and memtel's request router; docs/ray.md). Its own venv:
 # Ray brings its own pins (grpcio, protobuf, pydantic) and about 540 MB; the tests run the Ray app from it.
-ensure_ray_venv() {
-    local venv="$ROOT/.venv-ray" want have=""
-    want=$(stamp_of ray)
-    [ -f "$venv/.memtel-stamp" ] && have=$(cat "$venv/.memtel-stamp")
-    if [ -x "$venv/bin/python" ] && [ "$have" = "$want" ]; then return 0; fi
-    [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
-    log "installing memtel[ray] into $venv (about a minute when new)"
-    pip_quiet "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-    pip_quiet "$venv/bin/python" -m pip install -q -e "$ROOT[ray]"
-    printf '%s' "$want" > "$venv/.memtel-stamp"
-}
+ensure_ray_venv() { ensure_extra_venv ray "about a minute"; }
 
 # ensure_system_packages: Debian's prometheus (server and promtool) and prometheus-alertmanager
 # (alertmanager and amtool) for the live tests, and tmux (memtel top is tested in a real terminal).

@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from telemetry.errors import printable
-from telemetry.ledger.flags import SECONDS, could_not_read, url_list
+from telemetry.ledger.flags import SECONDS, add_sources, could_not_read, url_list
 from telemetry.ledger.render import PROCESS_HEADER, SORTS, node_block, process_row, size
-from telemetry.ledger.scrape import DEFAULT_DAEMON, LedgerReport, NodeView, Scrape, scrape_all, take_report
+from telemetry.ledger.scrape import LedgerReport, NodeView, Scrape, scrape_all, take_report
 from telemetry.ledger.stall import EngineState, StallWatch, engine_numbers
 from telemetry.scrape.ports import HOOK_PORT_RANGE, LAB_PORT
 from telemetry.url import METRICS_PATH, Endpoint, parse_url
@@ -165,16 +165,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           "contiguous free memory, the ledger per process, hooked calls and growth events, "
                           "kernel-log errors as they arrive, and a stalled engine (requests running, no progress: "
                           "MemtelEngineStalled's definition). Keys: q quit, p pause, s sort, r refresh.")
-    parser.add_argument("--daemon", type=url_list, default=[DEFAULT_DAEMON], metavar="URL[,URL...]",
-                        help=f"the nodes' memtel daemons (default {DEFAULT_DAEMON})")
-    parser.add_argument("--hooks", type=url_list, default=None, metavar="URL[,URL...]",
-                        help=f"the ranks' hook exporters (default: ports {HOOK_PORT_RANGE} on each daemon's host)")
+    add_sources(parser)
     parser.add_argument("--engines", type=url_list, default=None, metavar="URL[,URL...]",
                         help="the serving engines' /metrics (vLLM's API port), read for requests running and their "
                         f"progress (default: port {DEFAULT_ENGINE_PORT} on each daemon's host, where it answers)")
     parser.add_argument("--interval", type=SECONDS, default=1.0, help="seconds between frames, above 0, at most 60 "
                         "(default 1)")
-    parser.add_argument("--sort", choices=sorted(SORTS), default="rank", help="order of the process rows")
     parser.add_argument("--once", action="store_true", help="print one frame and exit (dumb terminals, scripts)")
 
 

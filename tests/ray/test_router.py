@@ -35,7 +35,7 @@ NEVER = 1_048_576  # over what a node takes at best, within max-model-len (1,100
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStack]:
     if not RAY_PYTHON.exists():
-        pytest.skip(f"{RAY_PYTHON} is missing: scripts/test builds it (scripts/lib/setup.sh ensure_ray_venv)")
+        pytest.fail(f"{RAY_PYTHON} is missing: scripts/test builds it (scripts/lib/setup.sh ensure_ray_venv)")
     found = RayStack(tmp_path_factory.mktemp("ray"))
     try:
         found.start()
