@@ -247,12 +247,26 @@ def test_a_hostile_protect_section_stops_the_daemon_before_it_starts(tmp_path):
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
 
 
+def _wait_argv(process: subprocess.Popen, word: str, deadline_s: float = 10.0) -> None:
+    """Until the process's command line shows `word`. Popen returns once the kernel has closed the close-on-exec
+    pipe, which is before the new program's arguments are in place: /proc/PID/cmdline can still read empty."""
+    import time
+
+    import psutil
+
+    end = time.monotonic() + deadline_s
+    while word not in psutil.Process(process.pid).cmdline():
+        assert time.monotonic() < end, "the child's command line never showed its marker"
+        time.sleep(0.01)
+
+
 def test_a_signal_to_a_process_collector_role_reaches_its_processes():
     import re
 
     marker = "memtel-protect-role-test-7f3a"
     child = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(60)", marker])
     try:
+        _wait_argv(child, marker)
         config = ProtectConfig(enabled=True, dry_run=False, signal="SIGUSR1", target_kind="role", target="victim",
                                user=os.getuid())
         assert f"pid {child.pid}" in run_action(config, {"victim": re.compile(re.escape(marker))})
@@ -282,7 +296,7 @@ def _wait_titled(processes: list[subprocess.Popen], deadline_s: float = 10.0) ->
 
     end = time.monotonic() + deadline_s
     for process in processes:
-        while psutil.Process(process.pid).cmdline()[:1] == ["/bin/bash"]:
+        while psutil.Process(process.pid).cmdline()[:1] in ([], ["/bin/bash"]):
             assert time.monotonic() < end, "a titled process did not start"
             time.sleep(0.01)
 
