@@ -39,7 +39,7 @@ bodies and the rules for permanent against transient in refusal.py; the at-best 
 order rules in queue.py. This API is kept stable: it is extended, not broken.
 """
 
-from telemetry.admission.at_best import AtBest, AtBestBook, best_replica, deployment_at_best, replica_at_best
+from telemetry.admission.at_best import AtBest, AtBestBook, best_replica
 from telemetry.admission.core import (
     BLIND_ROOM,
     SETTING_RANGES,
@@ -62,7 +62,15 @@ from telemetry.admission.decisions import (
 )
 from telemetry.admission.pool import MaxModelLen, Replica, ReplicaPool
 from telemetry.admission.prompt import PromptError, PromptSize, measure, parse_body
-from telemetry.admission.readings import HookReading, Limit, RankFit, Readings, parse_hook
+from telemetry.admission.readings import (
+    HookReading,
+    Limit,
+    RankFit,
+    Readings,
+    deployment_at_best,
+    parse_hook,
+    replica_at_best,
+)
 from telemetry.admission.refusal import Refusal, error_body, parse_models
 
 __all__ = ["BLIND_ROOM", "SETTING_RANGES", "WAITABLE", "WHEN_BLIND", "Admission", "AtBest", "AtBestBook",

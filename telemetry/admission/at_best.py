@@ -15,26 +15,39 @@ and a rise is used at once. Only memory held for longer than the window lowers i
 what its gauges say now (any reading, clean or not, is a lower bound of what it takes at rest).
 
 A replica's at-best is its smallest rank's (a tensor-parallel prefill runs on every rank); it is known only while
-every hook of the replica is fresh, every rank exports the gauge (an older hook does not) and every rank has a
-clean reading within the window. The deployment's is the best replica's, and is known only where every replica's
-is. Unknown: the refusal is transient, as before the gauge existed. `--reserve-mb` is not applied to it: a
-permanent answer claims no memory could take the prompt, so it rests on the larger figure.
+every hook of the replica is fresh, every rank exports the gauge (an older hook does not) and every rank has a clean
+reading within the window. The deployment's is the best replica's, and is known only where every replica's is
+(`replica_at_best` and `deployment_at_best`, in readings.py, from a replica's readings). Unknown: the refusal is
+transient, as before the gauge existed. `--reserve-mb` is not applied to it: a permanent answer claims no memory
+could take the prompt, so it rests on the larger figure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from telemetry.admission.readings import RankFit, Readings
+from typing import Protocol
 
 AT_BEST_WINDOW_S = 300.0  # the highest clean reading of the last five minutes stands
 # NTP-synced clocks differ by milliseconds, and a snapshot is read milliseconds after the time it is stamped with;
 # the admission comes before the prefill and the release after it, so the span itself already covers the prefill.
 CLEAN_SLACK_S = 0.5
 MAX_BUSY_SPANS = 256  # spans of prefills in flight remembered (older ones are past the window anyway)
+
+
+class RankReading(Protocol):
+    """What the book reads of one rank's forecast (readings.py's `RankFit`)."""
+
+    @property
+    def rank(self) -> str: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def max_prefill_tokens(self) -> int: ...
+    @property
+    def forecast_time(self) -> float | None: ...
+    @property
+    def at_best_tokens(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,7 @@ class AtBestBook:
         return not any(start - CLEAN_SLACK_S <= measured_at <= end + CLEAN_SLACK_S for start, end in self._spans)
 
     # -- readings -------------------------------------------------------------------------------------------
-    def observe(self, hook: str, fits: Iterable[RankFit], now: float) -> None:
+    def observe(self, hook: str, fits: Iterable[RankReading], now: float) -> None:
         """Keep the clean at-best readings of a hook's answer; forget those past the window."""
         for fit in fits:
             at = fit.forecast_time
@@ -99,40 +112,12 @@ class AtBestBook:
                 del self._readings[key]
         self._spans = [span for span in self._spans if span[1] + CLEAN_SLACK_S >= oldest]
 
-    def best(self, hook: str, fit: RankFit, now: float) -> tuple[int, float] | None:
+    def best(self, hook: str, fit: RankReading, now: float) -> tuple[int, float] | None:
         """(the highest clean reading of this rank within the window, when it was measured), or None."""
         readings = self._readings.get((hook, fit.rank, fit.node))
         oldest = now - self.window_s
         found = [(tokens, at) for at, tokens in (readings or {}).items() if at >= oldest]
         return max(found) if found else None
-
-
-def replica_at_best(tracker: Readings, now: float, wall: float) -> tuple[AtBest | None, str | None]:
-    """(a replica's at-best: its smallest rank's highest clean reading, or its gauges now where higher; why it is
-    unknown) at monotonic time `now`, unix time `wall`. Known only where every hook is fresh and every rank has a
-    clean reading."""
-    fresh = {(hook.target.url, fit.rank, fit.node) for hook, fit in tracker.fresh(now, wall)}
-    found: list[AtBest] = []
-    for hook in tracker.hooks:
-        url = hook.target.url
-        if not hook.fits or any((url, fit.rank, fit.node) not in fresh for fit in hook.fits):
-            return None, f"{url}: not fresh"
-        for fit in hook.fits:
-            if fit.at_best_tokens is None:
-                return None, (f"rank {fit.rank} on node {fit.node} exports no at-best limit (a hook older than "
-                              "the gauge)")
-            best = tracker.book.best(url, fit, wall)
-            if best is None:
-                return None, (f"rank {fit.rank} on node {fit.node}: no at-best limit measured in the last "
-                              f"{tracker.book.window_s:g} s while the guard had no prefill in flight")
-            # The rank's gauges now are lower bounds of its at-best too (what fits now fits at rest; a snapshot
-            # taken mid-prefill understates it): never below them, where they are above the clean readings.
-            now = max(fit.at_best_tokens, fit.max_prefill_tokens)
-            tokens, at = (best[0], best[1]) if best[0] >= now else (now, fit.forecast_time or best[1])
-            found.append(AtBest(tokens, fit.rank, fit.node, url, at))
-    if not found:
-        return None, "no rank"
-    return min(found, key=lambda a: a.tokens), None
 
 
 def best_replica(replicas: Sequence[AtBest | None]) -> AtBest | None:
@@ -142,14 +127,4 @@ def best_replica(replicas: Sequence[AtBest | None]) -> AtBest | None:
     return max((best for best in replicas if best is not None), key=lambda a: a.tokens)
 
 
-def deployment_at_best(trackers: Sequence[Readings], now: float, wall: float) -> tuple[AtBest | None, str | None]:
-    """(the deployment's at-best: the best replica's, None unless every replica's is known; why it is not)."""
-    found = [replica_at_best(tracker, now, wall) for tracker in trackers]
-    best = best_replica([best for best, _why in found])
-    if best is not None:
-        return best, None
-    return None, "; ".join(why for _best, why in found if why) or "no replica"
-
-
-__all__ = ["AT_BEST_WINDOW_S", "CLEAN_SLACK_S", "AtBest", "AtBestBook", "best_replica", "deployment_at_best",
-           "replica_at_best"]
+__all__ = ["AT_BEST_WINDOW_S", "CLEAN_SLACK_S", "AtBest", "AtBestBook", "RankReading", "best_replica"]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from telemetry.admission.at_best import AtBest, deployment_at_best
+from telemetry.admission.at_best import AtBest
 from telemetry.admission.decisions import (
     CountFirst,
     Decision,
@@ -37,7 +37,7 @@ from telemetry.admission.decisions import (
 from telemetry.admission.pool import Replica, ReplicaPool
 from telemetry.admission.prompt import PromptSize
 from telemetry.admission.queue import Waiting, WaitLine
-from telemetry.admission.readings import MAX_NODE_BYTES, Limit
+from telemetry.admission.readings import MAX_NODE_BYTES, Limit, deployment_at_best
 from telemetry.admission.refusal import (
     RETRY_AFTER_S,
     Refusal,
@@ -120,7 +120,7 @@ class Admission:
     def __init__(self, replicas: Sequence[Replica], settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
         self.pool = ReplicaPool(replicas)
-        self.line = WaitLine(self.settings.queue_s, self.settings.max_queued)
+        self.line: WaitLine[Prompt] = WaitLine(self.settings.queue_s, self.settings.max_queued)
 
     @property
     def replicas(self) -> list[Replica]:

@@ -18,10 +18,7 @@ stands: decided again, it gets the permanent 400 and leaves instead of waiting i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from telemetry.admission.core import Prompt
+from typing import Generic, Protocol, TypeVar
 
 PASS_FRACTION = 0.25  # of the queue's wait: how long later requests may pass a head that does not fit
 OUTCOMES = ("admitted", "timed_out", "client_left", "queue_full", "refused")
@@ -38,12 +35,23 @@ class Waiting:
     trying: bool = False  # woken, being decided again (the room it was woken for is kept for it)
 
 
-class WaitLine:
+class Queued(Protocol):
+    """What the line keeps of a waiter (core.py's `Prompt`): its place, None while it is not in the line."""
+
+    waiting: Waiting | None
+
+
+P = TypeVar("P", bound=Queued)
+
+
+class WaitLine(Generic[P]):
+    """The waiters in arrival order (a prompt is `P`: anything with a `waiting` place)."""
+
     def __init__(self, queue_s: float, max_queued: int) -> None:
         self.queue_s = queue_s
         self.max_queued = max_queued
         self.pass_s = queue_s * PASS_FRACTION
-        self.waiters: list[Prompt] = []
+        self.waiters: list[P] = []
 
     @property
     def enabled(self) -> bool:
@@ -58,12 +66,12 @@ class WaitLine:
         return any(not w.trying and now - w.since >= self.pass_s and w.tokens <= at_rest
                    for p in self.waiters if (w := p.waiting) is not None)
 
-    def join(self, prompt: Prompt, tokens: int, proven: bool, now: float) -> Waiting:
+    def join(self, prompt: P, tokens: int, proven: bool, now: float) -> Waiting:
         prompt.waiting = Waiting(now, now + self.queue_s, tokens, proven)
         self.waiters.append(prompt)
         return prompt.waiting
 
-    def leave(self, prompt: Prompt) -> float | None:
+    def leave(self, prompt: P) -> float | None:
         """Out of the queue; the monotonic time it joined (None: it was not in it)."""
         waiting = prompt.waiting
         if waiting is None:
@@ -73,7 +81,7 @@ class WaitLine:
             self.waiters.remove(prompt)
         return waiting.since
 
-    def wake(self, rooms: list[int], at_rest: int, ceiling: int | None, now: float) -> list[Prompt]:
+    def wake(self, rooms: list[int], at_rest: int, ceiling: int | None, now: float) -> list[P]:
         """The waiters to decide again now (marked `trying`); see the module."""
         if not rooms:
             return []
@@ -100,4 +108,4 @@ class WaitLine:
         return woken
 
 
-__all__ = ["OUTCOMES", "PASS_FRACTION", "WaitLine", "Waiting"]
+__all__ = ["OUTCOMES", "PASS_FRACTION", "Queued", "WaitLine", "Waiting"]

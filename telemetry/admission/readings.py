@@ -5,7 +5,8 @@ prefill that fits the memory the rank may still take), `memtel_forecast_fit_budg
 `memtel_forecast_last_success_timestamp_seconds` (when the forecast's snapshot was taken),
 `memtel_forecast_reserved_growth_bytes{tokens}` (the bytes forecast for fixed lengths, quoted in a refusal) and
 `memtel_forecast_max_prefill_tokens_at_best` (what the rank could take with an empty cache: the permanent limit,
-kept as at_best.py says). A rank is fresh while its hook answered within `stale_s` and its forecast is younger
+kept as at_best.py says; a replica's and the deployment's at-best from it: `replica_at_best`,
+`deployment_at_best`). A rank is fresh while its hook answered within `stale_s` and its forecast is younger
 than `stale_s`. The limit is the smallest fresh rank's tokens (cut by `reserve_bytes`, see `RankFit.tokens`), less
 the tokens of admitted requests still in their prefill (`hold`/`release`). No fresh rank: blind.
 
@@ -22,10 +23,11 @@ Pure: the caller reads the hooks and the clocks; every method that depends on ti
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from telemetry import hook_env
-from telemetry.admission.at_best import AT_BEST_WINDOW_S, AtBestBook
+from telemetry.admission.at_best import AT_BEST_WINDOW_S, AtBest, AtBestBook, best_replica
 from telemetry.catalogue import metrics as catalogue
 from telemetry.errors import printable
 from telemetry.scrape import parse
@@ -286,5 +288,43 @@ class Readings:
             self._blind_since = now
 
 
+def replica_at_best(tracker: Readings, now: float, wall: float) -> tuple[AtBest | None, str | None]:
+    """(a replica's at-best: its smallest rank's highest clean reading, or its gauges now where higher; why it is
+    unknown) at monotonic time `now`, unix time `wall`. Known only where every hook is fresh and every rank has a
+    clean reading."""
+    fresh = {(hook.target.url, fit.rank, fit.node) for hook, fit in tracker.fresh(now, wall)}
+    found: list[AtBest] = []
+    for hook in tracker.hooks:
+        url = hook.target.url
+        if not hook.fits or any((url, fit.rank, fit.node) not in fresh for fit in hook.fits):
+            return None, f"{url}: not fresh"
+        for fit in hook.fits:
+            if fit.at_best_tokens is None:
+                return None, (f"rank {fit.rank} on node {fit.node} exports no at-best limit (a hook older than "
+                              "the gauge)")
+            best = tracker.book.best(url, fit, wall)
+            if best is None:
+                return None, (f"rank {fit.rank} on node {fit.node}: no at-best limit measured in the last "
+                              f"{tracker.book.window_s:g} s while the guard had no prefill in flight")
+            # The rank's gauges now are lower bounds of its at-best too (what fits now fits at rest; a snapshot
+            # taken mid-prefill understates it): never below them, where they are above the clean readings.
+            now = max(fit.at_best_tokens, fit.max_prefill_tokens)
+            tokens, at = (best[0], best[1]) if best[0] >= now else (now, fit.forecast_time or best[1])
+            found.append(AtBest(tokens, fit.rank, fit.node, url, at))
+    if not found:
+        return None, "no rank"
+    return min(found, key=lambda a: a.tokens), None
+
+
+def deployment_at_best(trackers: Sequence[Readings], now: float, wall: float) -> tuple[AtBest | None, str | None]:
+    """(the deployment's at-best: the best replica's, None unless every replica's is known; why it is not)."""
+    found = [replica_at_best(tracker, now, wall) for tracker in trackers]
+    best = best_replica([best for best, _why in found])
+    if best is not None:
+        return best, None
+    return None, "; ".join(why for _best, why in found if why) or "no replica"
+
+
 __all__ = ["AT_BEST", "FIT_BUDGET", "GROWTH", "LAST_SUCCESS", "MAX_NODE_BYTES", "MAX_PREFILL", "MAX_TOKENS",
-           "NO_GAUGE_HINT", "HookReading", "Limit", "RankFit", "Readings", "parse_fits", "parse_hook"]
+           "NO_GAUGE_HINT", "HookReading", "Limit", "RankFit", "Readings", "deployment_at_best", "parse_fits",
+           "parse_hook", "replica_at_best"]

@@ -19,7 +19,7 @@ import ssl
 import time
 from collections.abc import Callable
 
-from telemetry.admission.at_best import AT_BEST_WINDOW_S, AtBest, replica_at_best
+from telemetry.admission.at_best import AT_BEST_WINDOW_S, AtBest
 from telemetry.admission.readings import (
     AT_BEST,
     FIT_BUDGET,
@@ -34,6 +34,7 @@ from telemetry.admission.readings import (
     Readings,
     parse_fits,
     parse_hook,
+    replica_at_best,
 )
 from telemetry.errors import printable
 from telemetry.guard.http import ClientSide, UpstreamError, open_channel

@@ -7,7 +7,8 @@ from telemetry.admission.prompt import measure
 from telemetry.admission.queue import WaitLine
 
 
-def _line(*waiters: tuple[int, bool], queue_s: float = 10.0, since: float = 0.0) -> tuple[WaitLine, list[Prompt]]:
+def _line(*waiters: tuple[int, bool], queue_s: float = 10.0,
+          since: float = 0.0) -> tuple[WaitLine[Prompt], list[Prompt]]:
     line = WaitLine(queue_s, 8)
     prompts = [Prompt(measure("/v1/completions", {"prompt": [1]})) for _ in waiters]
     for prompt, (tokens, proven) in zip(prompts, waiters, strict=True):

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from telemetry.admission import at_best as at_best_module
+from telemetry.admission import readings as readings_module
 from telemetry.admission.at_best import AtBest
 from telemetry.admission.readings import Readings
 from telemetry.admission.refusal import refusal_for
@@ -29,7 +30,7 @@ from tests.guard.servers import RunningGuard, StubHook, exposition, request
 
 def deployment_at_best(trackers: list[Readings]) -> tuple[AtBest | None, str | None]:
     """The core's at-best over these replicas, on this process's clocks now."""
-    return at_best_module.deployment_at_best(trackers, time.monotonic(), time.time())
+    return readings_module.deployment_at_best(trackers, time.monotonic(), time.time())
 
 
 REJECTED = "memtel_guard_rejected_total"
