@@ -1,5 +1,5 @@
 """What the hook's allocation history costs per hooked call on a GPU (issue 37: the hook within 1.2x the floor with
-history recording on). A benchmark, not a test; needs CUDA; written for the H200 and not yet run there.
+history recording on). A benchmark, not a test; needs CUDA; run on the H200 (BENCHMARKS.md).
 
     PYTHONPATH=. python3 benchmarks/hook_history_gpu.py [--rounds 30] [--calls 2000] [--json out.json]
 

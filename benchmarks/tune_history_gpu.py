@@ -3,8 +3,9 @@ setting's real edge against the prediction from the defaults' snapshot plus that
 
     PYTHONPATH=. python3 benchmarks/tune_history_gpu.py --out DIR [--fraction 0.09] [--settings base,expandable,...]
                                                        [--deadline-s 540]
+    PYTHONPATH=. python3 benchmarks/tune_history_gpu.py --out DIR --history FILE --probe N,N,...
 
-Needs CUDA (torch with a GPU); written for the H200 and not yet run (no device was lent when it was written).
+Needs CUDA (torch with a GPU). Run on the H200: BENCHMARKS.md; its capture is tests/fixtures/tune-history.
 
 1. The history (`history_ops`, seeded): 12 resident tensors, 240 mixed small and large tensors of which 120 are
    freed in random order, eight 256 MiB KV blocks, a warm 32,768-token indexer prefill of SHAPE.
@@ -21,6 +22,10 @@ Needs CUDA (torch with a GPU); written for the H200 and not yet run (no device w
    shared/data/tune-truth, whose capture script is not in the repo; this one launches as the model does).
 
 Writes DIR/tune-history.json after each setting and prints a table: predicted against real per setting.
+
+With `--history FILE --probe N,...` (shared/data/tune-truth's history file, which ends with its own warm prefill):
+only those lengths, under the defaults, each with its last step's sizes and the allocator's trace, to DIR/probe.json.
+That is the one-token question in tests/tune/test_tune_history.py asked of a process that launches as the model does.
 """
 
 from __future__ import annotations
@@ -100,16 +105,17 @@ class Recording:
         return getattr(self.inner, name)
 
 
-def child(fraction: float, tokens: int, sim: bool = False) -> dict[str, Any]:
+def child(fraction: float, tokens: int, sim: bool = False, history: Path | None = None) -> dict[str, Any]:
     """In a fresh process: the history, then (tokens > 0) a prefill of `tokens`. sim: the lab's simulator stands
-    for CUDA (a dry run of this script on a machine without a GPU; its figures agree by construction)."""
+    for CUDA (a dry run of this script on a machine without a GPU; its figures agree by construction). history: a
+    history file of ops that ends with its own warm prefill (shared/data/tune-truth's), instead of `history_ops`."""
     from telemetry.model.allocsim.simulator import DEFAULT_TOTAL_MEMORY, SimulatedOutOfMemoryError
     from telemetry.model.indexer.backends import SimBackend
     from telemetry.model.indexer.prefill import run_prefill
     from telemetry.model.indexer.shape import IndexerShape
 
     shape = IndexerShape(**SHAPE)
-    ops = history_ops()
+    ops = json.loads(history.read_text()) if history is not None else history_ops()
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if sim:
         inner: Any = SimBackend(",".join(p for p in (conf, f"per_process_memory_fraction:{fraction}") if p))
@@ -136,7 +142,8 @@ def child(fraction: float, tokens: int, sim: bool = False) -> dict[str, Any]:
             backend.inner.release(live.pop(op[1]))
     backend.ops = [list(op) for op in ops]
     backend.next = max(op[1] for op in ops)
-    run_prefill(backend, shape, "stock", WARM_TOKENS)
+    if history is None:
+        run_prefill(backend, shape, "stock", WARM_TOKENS)
     inner.finish()
     if tokens == 0:
         if sim:
@@ -168,10 +175,11 @@ def child(fraction: float, tokens: int, sim: bool = False) -> dict[str, Any]:
 SIM = False   # --dry-run-sim
 
 
-def run_child(conf: str, fraction: float, tokens: int) -> dict[str, Any]:
+def run_child(conf: str, fraction: float, tokens: int, history: Path | None = None) -> dict[str, Any]:
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, __file__, "--child", str(tokens), "--fraction", repr(fraction),
-                           *(["--dry-run-sim"] if SIM else [])], capture_output=True, text=True, env=env, timeout=300)
+                           *(["--dry-run-sim"] if SIM else []), *(["--history", str(history)] if history else [])],
+                          capture_output=True, text=True, env=env, timeout=300)
     if done.returncode != 0:
         raise SystemExit(f"child ({conf!r}, {tokens}) failed: {done.stderr[-2000:]}")
     return dict(json.loads(done.stdout.splitlines()[-1]))
@@ -225,6 +233,18 @@ def real_edge(conf: str, fraction: float, guess: int, deadline: float) -> dict[s
             "probes": len(tried)}
 
 
+def probe(out: Path, history: Path, fraction: float, lengths: list[int]) -> int:
+    """Each length run for real after `history` (under the defaults): whether it fits, its last chunk step's
+    sizes and the allocator's own trace; written to OUT/probe.json as each arrives."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {"history": history.name, "fraction": fraction, "shape": SHAPE, "probes": {}}
+    for tokens in lengths:
+        doc["probes"][str(tokens)] = run_child("", fraction, tokens, history)
+        (out / "probe.json").write_text(json.dumps(doc))
+        print(f"{tokens:>10,}  {'fits' if doc['probes'][str(tokens)]['fits'] else 'out of memory'}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -233,15 +253,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=540.0)
     parser.add_argument("--dry-run-sim", action="store_true",
                         help="the lab's simulator instead of CUDA: checks this script end to end without a GPU")
+    parser.add_argument("--history", type=Path, default=None,
+                        help="a history file of ops ending with its warm prefill (with --probe)")
+    parser.add_argument("--probe", default=None,
+                        help="with --history: only these prefill lengths (comma-separated), under the defaults, "
+                             "each with its last chunk step's sizes and the allocator's trace")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(child(args.fraction, args.child, args.dry_run_sim)))
+        print(json.dumps(child(args.fraction, args.child, args.dry_run_sim, args.history)))
         return 0
     global SIM
     SIM = args.dry_run_sim
     if args.out is None:
         parser.error("--out DIR is required")
+    if (args.history is None) != (args.probe is None):
+        parser.error("--history and --probe go together")
+    if args.probe is not None:
+        return probe(args.out, args.history, args.fraction, [int(n) for n in args.probe.split(",")])
     deadline = time.monotonic() + args.deadline_s
     args.out.mkdir(parents=True, exist_ok=True)
     base = run_child("", args.fraction, 0)

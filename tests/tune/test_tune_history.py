@@ -222,3 +222,34 @@ def test_the_cli_says_when_the_history_does_not_rebuild_todays_state(tmp_path: P
     code, out, err = _cli(tmp_path, base, ops)
     assert code == 0, err
     assert any("the snapshot 12,259,950,592" in note for note in json.loads(out)["notes"])
+
+
+OWN_CAPTURES = sorted((REPO / "tests" / "fixtures" / "tune-history").glob("*/tune-history.json"))
+
+
+@pytest.mark.parametrize("capture", OWN_CAPTURES, ids=lambda path: path.parent.name)
+def test_our_own_gpu_capture_is_predicted_to_the_token_and_only_with_its_history(capture: Path) -> None:
+    """benchmarks/tune_history_gpu.py on an H200 (tests/fixtures/tune-history): the defaults' snapshot plus its
+    history, replayed under each setting, is that setting's real edge to the token (the first misfit one token
+    later). Without the history, expandable segments come out a best case far above the truth."""
+    doc = json.loads(capture.read_text())
+    base = doc["base"]
+    state = read_allocator_state(base["snapshot"], source=capture.name)
+    history = history_from_ops(base["history"], source=capture.name)
+    check_matches(history, state, "")  # the defaults: the history leads to the snapshot
+    shape = IndexerShape(**doc["shape"])
+    cap = int(base["total_memory"] * doc["fraction"])
+
+    def predicted(conf: str, with_history: bool) -> int:
+        problem = Problem(state, shape, cap, 131_072, LaunchPattern(), total_memory=base["total_memory"],
+                          cap="fraction", history=history if with_history else None, process_conf="")
+        outcome = evaluate(problem, Setting(conf, shape.logits_budget_bytes, shape.chunk, "stock"))
+        assert outcome.fit is not None
+        return int(outcome.fit.tokens)
+
+    assert set(doc["settings"]) == {"base", "expandable", "split256", "gc06"}
+    for name, real in doc["settings"].items():
+        assert real["exact"] and real["first_oom"] == real["longest_fit"] + 1, name
+        assert predicted(real["conf"], True) == real["longest_fit"], name
+    expandable = doc["settings"]["expandable"]
+    assert predicted(expandable["conf"], False) > expandable["longest_fit"] + 10_000
