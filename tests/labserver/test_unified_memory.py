@@ -36,7 +36,9 @@ def test_mapping_a_segment_moves_rss_exactly_and_memavailable_for_real():
         rss1, available1 = process.memory_info().rss, _available_with_percpu_lists()
         backing.unmap("seg", SEGMENT)
         rss2, available2 = process.memory_info().rss, _available_with_percpu_lists()
-        assert rss1 - rss0 >= SEGMENT and abs(rss2 - rss0) < 16 * MIB  # the process's own pages: exact
+        # The process's own pages: the segment's, give or take what this process's other threads freed or took
+        # meanwhile (CI saw 13 pages fewer: the worker's own threads run on).
+        assert abs(rss1 - rss0 - SEGMENT) < 16 * MIB and abs(rss2 - rss0) < 16 * MIB, (rss0, rss1, rss2)
         assert backing.mapped_bytes == 0 and len(backing) == 0
         moves.append(((available0 - available1) / MIB, (available2 - available1) / MIB))
         if all(0.85 * SEGMENT <= m * MIB <= 1.15 * SEGMENT for m in moves[-1]):
