@@ -96,26 +96,24 @@ def test_a_streamed_answer_is_the_same_as_going_direct(vllm, guard, path, body):
     assert _answer(via) == _answer(direct) and via[-1] == "[DONE]" and len(via) >= 3
 
 
-def _answer(events: list) -> list:
-    """A stream as its reader gets the answer: consecutive events that differ only in their text are one. vLLM puts
-    two tokens in one event when its reader lags (its output collector merges the deltas), which happens on a
-    loaded machine with or without a proxy; that the guard passes a stream byte for byte is
-    tests/guard/test_proxy.py's `test_a_stream_reaches_the_client_chunk_by_chunk_and_byte_for_byte`."""
-    merged: list = []
+def _answer(events: list) -> tuple[list, str]:
+    """A stream as its reader gets the answer: the events without their text, consecutive equal ones as one, and the
+    whole text. vLLM puts several tokens in one event when its reader lags (its output collector merges the deltas,
+    the last one with the finish reason too), which happens on a loaded machine with or without a proxy; that the
+    guard passes a stream byte for byte is tests/guard/test_proxy.py's
+    `test_a_stream_reaches_the_client_chunk_by_chunk_and_byte_for_byte`."""
+    shapes: list = []
+    text = ""
     for event in events:
-        if event == "[DONE]":
-            merged.append(event)
-            continue
-        event = copy.deepcopy(event)
-        choice = (event.get("choices") or [{}])[0]
-        holder, key = (choice["delta"], "content") if isinstance(choice.get("delta"), dict) else (choice, "text")
-        text = holder.pop(key, None)
-        last = merged[-1] if merged else None
-        if isinstance(last, tuple) and last[0] == event and isinstance(text, str) and isinstance(last[1], str):
-            merged[-1] = (event, last[1] + text)
-        else:
-            merged.append((event, text))
-    return merged
+        if event != "[DONE]":
+            event = copy.deepcopy(event)
+            choice = (event.get("choices") or [{}])[0]
+            holder, key = (choice["delta"], "content") if isinstance(choice.get("delta"), dict) else (choice, "text")
+            piece = holder.pop(key, None)
+            text += piece if isinstance(piece, str) else ""
+        if not shapes or shapes[-1] != event:
+            shapes.append(event)
+    return shapes, text
 
 
 def test_the_guard_counts_with_vllms_tokenize_and_refuses_over_the_limit(vllm, guard):
