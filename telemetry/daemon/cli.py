@@ -143,9 +143,9 @@ def build_protect(config: DaemonConfig) -> Protect:
         total = meminfo.read().get("MemTotal")
         if not total:
             return None
-        return (float(reading.headroom), float(total),
-                {} if starts is None else start_remaining_bytes(starts.latest(), total),
-                float(reading.without_reclaim), reading.success_ratio)
+        return Reading(float(reading.headroom), float(total),
+                       {} if starts is None else start_remaining_bytes(starts.latest(), total),
+                       float(reading.without_reclaim), reading.success_ratio)
 
     roles = {role.role: role.cmdline for role in config.processes.roles}
     protect = Protect(config.protect, sample, roles)

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client.core import Metric
 
@@ -61,10 +61,19 @@ MAX_ARG_CHARS = 4096
 COMMAND_TIMEOUT_S = 30.0
 MAX_PIDFILE_BYTES = 64
 MAX_ROLE_PROCESSES = 16
-# headroom, MemTotal[, per starting engine what its start will still take[, the headroom without reclaim and the
-# huge-page faults' success ratio (None: no evidence), which measure what a start takes as the headroom is]]
-Reading = (tuple[float, float] | tuple[float, float, Mapping[str, float]]
-           | tuple[float, float, Mapping[str, float], float, float | None])
+
+
+class Reading(NamedTuple):
+    """One protect sample: the headroom and MemTotal; per starting engine what its start will still take (None or
+    empty: none is starting); the headroom without reclaim and the huge-page faults' success ratio (None: no
+    evidence), with which a start's bytes are measured as the headroom is (None without reclaim: byte for byte)."""
+
+    headroom: float
+    mem_total: float
+    start_remaining: Mapping[str, float] | None = None
+    without_reclaim: float | None = None
+    success_ratio: float | None = None
+
 _UNIT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:-_.@\\")
 
 

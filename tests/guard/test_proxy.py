@@ -334,7 +334,8 @@ def test_a_body_over_the_inline_size_is_parsed_off_the_loop_with_the_same_answer
     assert request(guard.url, "POST", "/v1/completions", {"prompt": "word " * 300})[0] == 200  # via /tokenize
 
 
-def test_a_body_over_the_inline_size_is_parsed_in_a_worker_thread_and_a_smaller_one_on_the_loop(guard, monkeypatch):
+def _where_measured(monkeypatch) -> list[str]:
+    """Where the guard sizes each body from now on ("loop": on the event loop, "thread": in a worker)."""
     import telemetry.guard.proxy as proxy
 
     where: list[str] = []
@@ -348,8 +349,15 @@ def test_a_body_over_the_inline_size_is_parsed_in_a_worker_thread_and_a_smaller_
             where.append("thread")
         return sized(path, body)
 
-    monkeypatch.setattr(proxy, "INLINE_PARSE_BYTES", 1000)
     monkeypatch.setattr(proxy, "measure", measure)
+    return where
+
+
+def test_a_body_over_the_inline_size_is_parsed_in_a_worker_thread_and_a_smaller_one_on_the_loop(guard, monkeypatch):
+    import telemetry.guard.proxy as proxy
+
+    monkeypatch.setattr(proxy, "INLINE_PARSE_BYTES", 1000)
+    where = _where_measured(monkeypatch)
     assert request(guard.url, "POST", "/v1/completions", {"prompt": "w " * 5000})[0] == 503
     assert request(guard.url, "POST", "/v1/completions", {"prompt": "w " * 10})[0] == 200
     assert where == ["thread", "loop"]
@@ -415,18 +423,7 @@ def test_a_body_of_many_small_messages_is_parsed_in_a_worker_thread_whatever_its
     # Issue 41: 500,000 tiny chat messages (7.5 MB, under the inline size) stalled every other client 1.8 s.
     import telemetry.guard.proxy as proxy
 
-    where: list[str] = []
-    sized = proxy.measure
-
-    def measure(path, body):
-        try:
-            asyncio.get_running_loop()
-            where.append("loop")
-        except RuntimeError:   # no event loop runs in this thread: a worker's
-            where.append("thread")
-        return sized(path, body)
-
-    monkeypatch.setattr(proxy, "measure", measure)
+    where = _where_measured(monkeypatch)
     many = {"messages": [{"role": "user", "content": "w"}] * (proxy.INLINE_PARSE_OBJECTS + 1)}
     assert request(guard.url, "POST", "/v1/chat/completions", many)[0] in (200, 503)
     assert request(guard.url, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "w"}]})[0] \
