@@ -270,7 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     if (args.history is None) != (args.probe is None):
         parser.error("--history and --probe go together")
     if args.probe is not None:
-        return probe(args.out, args.history, args.fraction, [int(n) for n in args.probe.split(",")])
+        try:
+            ops = json.loads(args.history.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            parser.error(f"--history {args.history}: {error} (expected a JSON list of ops)")
+        if not isinstance(ops, list) or not ops:
+            parser.error(f"--history {args.history}: expected a JSON list of ops, [\"a\", id, bytes] or [\"f\", id]")
+        try:
+            lengths = [int(n) for n in args.probe.split(",")]
+        except ValueError:
+            lengths = []
+        if not lengths or min(lengths) < 1:
+            parser.error(f"--probe {args.probe!r}: expected prefill lengths, positive integers separated by commas")
+        return probe(args.out, args.history, args.fraction, lengths)
     deadline = time.monotonic() + args.deadline_s
     args.out.mkdir(parents=True, exist_ok=True)
     base = run_child("", args.fraction, 0)
